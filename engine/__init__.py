@@ -1,0 +1,1 @@
+"""The rosechat serving engine: paged KV cache, scheduler, models, sampler."""

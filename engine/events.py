@@ -1,0 +1,99 @@
+"""What the engine reports outward: cache snapshots and the engine thread's events.
+
+Plain frozen dataclasses, so they can cross threads and be rendered by any front end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FREE, CACHED, USED = 0, 1, 2  # per-block state in a CacheSnapshot
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The KV pool block by block, plus the engine's counters, at one moment."""
+
+    num_blocks: int
+    block_size: int
+    state: tuple[int, ...]  # per block: FREE, CACHED (free but still holds a prefix-cache hash) or USED
+    refcount: tuple[int, ...]  # per block: number of sequences holding it
+    owners: tuple[tuple[str, ...], ...]  # per block: sorted ids (conversation or request) of its holders
+    num_running: int = 0
+    num_waiting: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found (not recomputed)
+    cow_copies: int = 0
+    preemptions: int = 0
+    tokens_per_s: float = 0.0  # generated tokens per second, recent window
+    time: float = 0.0  # time.monotonic() when taken
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(1 for s in self.state if s == USED)
+
+    @property
+    def cached_blocks(self) -> int:
+        return sum(1 for s in self.state if s == CACHED)
+
+    @property
+    def free_blocks(self) -> int:
+        return sum(1 for s in self.state if s == FREE)
+
+    @property
+    def shared_blocks(self) -> int:
+        return sum(1 for r in self.refcount if r > 1)
+
+    @property
+    def blocks_without_sharing(self) -> int:
+        """Blocks the same holders would need if no block were shared."""
+        return sum(self.refcount)
+
+    @property
+    def blocks_saved(self) -> int:
+        return self.blocks_without_sharing - self.used_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # tokens of this turn's prompt (whole conversation so far)
+    prefilled_tokens: int  # of those, tokens actually computed (the rest came from the cache)
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    request_id: str
+    conversation_id: str | None
+    index: int  # which sample of the request (0..n-1)
+    text: str  # new text since the last delta (never a broken UTF-8 character)
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: str
+    conversation_id: str | None
+    texts: tuple[str, ...]  # final text of each sample
+    finish_reasons: tuple[str, ...]  # "stop", "length" or "abort", per sample
+    usage: Usage
+    ttft_s: float  # time to first token
+    total_s: float
+    tokens_per_s: float  # completion tokens / decode time
+
+
+@dataclass(frozen=True)
+class EngineError:
+    request_id: str | None
+    conversation_id: str | None
+    message: str
+
+
+Event = TokenDelta | Finished | EngineError | CacheSnapshot
+
+__all__ = [
+    "CACHED", "FREE", "USED", "CacheSnapshot", "EngineError", "Event", "Finished", "TokenDelta", "Usage",
+]
