@@ -1,8 +1,19 @@
-"""Paged-attention kernels: Triton kernels and their vectorised PyTorch reference."""
+"""Paged-attention kernels: Triton kernels and their vectorised PyTorch reference.
+
+Every entry point takes ``backend``: "triton", "torch", or None (Triton when the tensors are on
+CUDA and Triton is installed, the PyTorch path otherwise). Triton is imported only when used.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+
+import torch
+
+from kernels import reference
+
+__all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "triton_status", "write_kv"]
 
 
 def triton_status() -> str:
@@ -11,8 +22,96 @@ def triton_status() -> str:
         import triton  # noqa: F401
     except ImportError:
         return "unavailable"
-    import torch
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "interpreted"
     return "compiled" if torch.cuda.is_available() else "available (no CUDA: interpreter only)"
+
+
+def _use_triton(t: torch.Tensor, backend: str | None) -> bool:
+    if backend == "triton":
+        return True
+    if backend == "torch":
+        return False
+    if backend is not None:
+        raise ValueError(f"unknown attention backend {backend!r} (expected 'triton' or 'torch')")
+    return t.is_cuda and triton_status() == "compiled"
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """One new query per sequence against its paged K/V.
+
+    q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
+    int32; context_lens: [B] int32 (>= 1, counting the current token). Returns [B, Hq, D].
+    """
+    if _use_triton(q, backend):
+        from kernels.triton_decode import paged_decode_attention as impl
+    else:
+        impl = reference.paged_decode_attention
+    return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequences' paged K/V (cached prefix included).
+
+    q: [T, Hq, D], sequence b's tokens at cu_seqlens_q[b]:cu_seqlens_q[b+1]; they are the last
+    q_len_b of context_lens[b] positions, and their K/V are already in the cache. Returns [T, Hq, D].
+    """
+    if _use_triton(q, backend):
+        from kernels.triton_prefill import paged_prefill_attention as impl
+    else:
+        impl = reference.paged_prefill_attention
+    return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Store k, v: [T, Hkv, D] into one layer's cache at slot_mapping: [T] int64 (-1 = skip)."""
+    if _use_triton(k, backend):
+        from kernels.triton_cache import write_kv as impl
+    else:
+        impl = reference.write_kv
+    impl(k, v, k_cache, v_cache, slot_mapping)
+
+
+def copy_blocks(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src: torch.Tensor | Sequence[int],
+    dst: torch.Tensor | Sequence[int],
+    *,
+    backend: str | None = None,
+) -> None:
+    """Copy whole blocks src[i] -> dst[i] (copy-on-write), in every layer if the caches carry a
+    leading layer dim [L, num_blocks, ...]. A dst block must not also be a src."""
+    if _use_triton(k_cache, backend):
+        from kernels.triton_cache import copy_blocks as impl
+    else:
+        impl = reference.copy_blocks
+    impl(k_cache, v_cache, src, dst)
