@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import enum
+import itertools
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -41,3 +47,82 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)prefill
+    RUNNING = "running"  # scheduled every step: prefill chunks, then one decode token per step
+    PARKED = "parked"  # a finished turn of a conversation, still holding its blocks for the next turn
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """One stream of tokens and the blocks that hold its KV.
+
+    token_ids is everything the sequence has (prompt, then generated tokens); the first
+    num_computed_tokens of them have their K/V in the cache, in the blocks of block_table.
+    """
+
+    def __init__(self, token_ids: list[int], group: SequenceGroup | None = None, index: int = 0) -> None:
+        self.seq_id = next(_seq_counter)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.group = group
+        self.index = index  # which sample of its group
+        self.owner = ""  # id shown in the cache snapshot: conversation id, else request id
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+        self.detokenizer: Any = None
+        self.prefill_computed = 0  # prompt tokens this turn actually computed (the rest hit the cache)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table}, {self.status.value})"
+        )
+
+
+@dataclass
+class SequenceGroup:
+    """The sequences of one request: n samples of one prompt share its blocks."""
+
+    request_id: str
+    seqs: list[Sequence]
+    params: SamplingParams
+    conversation_id: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prompt_len: int = 0
+    prefilled_tokens: int = 0  # prompt tokens computed (not served by the cache), all sequences
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished or s.status is SequenceStatus.PARKED for s in self.seqs) and len(
+            self.seqs
+        ) == self.params.n

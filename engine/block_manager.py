@@ -1,0 +1,264 @@
+"""Refcounted KV blocks with copy-on-write and a hash-based prefix cache.
+
+The block manager only does bookkeeping: which physical block holds which tokens of which
+sequence. The K/V tensors live in the model runner's pool; block copies that copy-on-write
+asks for are queued in `pending_copies` and done by `kernels.copy_blocks` before the next
+forward pass.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from engine.events import CACHED, FREE, USED
+from engine.sequence import Sequence
+
+_ROOT_HASH = 0x5EED  # parent hash of a sequence's first block
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Chain hash of (parent block's hash, this block's tokens), set once the block is full.
+    hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # the full block's tokens: checked on a hit, so a collision is a miss
+
+
+@dataclass
+class AllocationPlan:
+    """What admitting a sequence would take: prefix-cache hits, then fresh blocks."""
+
+    hits: list[int]  # cached block ids, in order, to append to the block table
+    num_hits_from_free: int  # of those, how many sit in the free list (taking them costs free blocks)
+    num_new_blocks: int  # fresh blocks for the rest, copy-on-write included
+
+    @property
+    def num_free_needed(self) -> int:
+        return self.num_new_blocks + self.num_hits_from_free
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))  # free, holding no cached prefix
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # free but cached, LRU first
+        self.hash_to_block: dict[int, int] = {}
+        self.holders: dict[int, Sequence] = {}  # seq_id -> sequence holding blocks (for snapshots)
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, done by the runner
+        self.cow_copies = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0
+
+    # ------------------------------------------------------------------ free pool
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.cached_free)
+
+    def _take_free(self) -> Block:
+        if self.free_ids:
+            block = self.blocks[self.free_ids.popleft()]
+        else:  # evict the least recently freed cached block
+            block_id, _ = self.cached_free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._uncache(block)
+        block.ref_count = 1
+        return block
+
+    def _uncache(self, block: Block) -> None:
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash = block.parent_hash = None
+        block.token_ids = ()
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"double free of block {block_id}"
+        if block.ref_count == 0:
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                self.cached_free[block_id] = None  # keeps its hash until reused
+            else:
+                self._uncache(block)
+                self.free_ids.append(block_id)
+
+    # ------------------------------------------------------------------ prefix cache
+    def _hash(self, parent: int, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def _lookup(self, parent: int, tokens: tuple[int, ...]) -> int | None:
+        block_id = self.hash_to_block.get(self._hash(parent, tokens))
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block_id if block.token_ids == tokens and block.parent_hash == parent else None
+
+    def _parent_hash(self, seq: Sequence, index: int) -> int | None:
+        return _ROOT_HASH if index == 0 else self.blocks[seq.block_table[index - 1]].hash
+
+    def plan(self, seq: Sequence) -> AllocationPlan:
+        """Blocks needed to hold all of seq's tokens, after prefix-cache hits (nothing taken yet)."""
+        bs = self.block_size
+        c, n_tables = seq.num_computed_tokens, len(seq.block_table)
+        hits: list[int] = []
+        from_free = 0
+        # Look up full blocks past what is computed; the last token is always computed (it
+        # yields the logits), so at most (len - 1) // bs blocks can come from the cache.
+        if self.enable_prefix_caching and c % bs == 0 and n_tables == c // bs:
+            parent = self._parent_hash(seq, n_tables)
+            for j in range(n_tables, (len(seq) - 1) // bs):
+                if parent is None:
+                    break
+                tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+                block_id = self._lookup(parent, tokens)
+                if block_id is None:
+                    break
+                hits.append(block_id)
+                from_free += self.blocks[block_id].ref_count == 0
+                parent = self.blocks[block_id].hash
+        c += len(hits) * bs
+        new = cdiv(len(seq), bs) - n_tables - len(hits)
+        return AllocationPlan(hits, from_free, new + self._needs_cow(seq, c))
+
+    def _needs_cow(self, seq: Sequence, computed: int) -> bool:
+        # Only the block the next token lands in can be shared: later ones are fresh.
+        j = computed // self.block_size
+        return j < len(seq.block_table) and self.blocks[seq.block_table[j]].ref_count > 1
+
+    def allocate(self, seq: Sequence, plan: AllocationPlan) -> None:
+        """Admit seq: take its prefix-cache hits and enough blocks for all of its tokens."""
+        if seq.num_computed_tokens == 0:
+            self.prefix_queries += len(seq)
+            self.prefix_hits += len(plan.hits) * self.block_size
+        for block_id in plan.hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.cached_free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens += len(plan.hits) * self.block_size
+        self.append_slots(seq, seq.num_uncomputed)
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.num_append_blocks(seq, num_tokens) <= self.num_free_blocks
+
+    def num_append_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        c = seq.num_computed_tokens
+        return max(0, cdiv(c + num_tokens, self.block_size) - len(seq.block_table)) + self._needs_cow(seq, c)
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Make room to write tokens [computed, computed + num_tokens): copy-on-write, new blocks."""
+        c = seq.num_computed_tokens
+        if self._needs_cow(seq, c):
+            j = c // self.block_size
+            old = seq.block_table[j]
+            new = self._take_free().block_id
+            self._release(old)
+            seq.block_table[j] = new
+            self.pending_copies.append((old, new))
+            self.cow_copies += 1
+        for _ in range(cdiv(c + num_tokens, self.block_size) - len(seq.block_table)):
+            seq.block_table.append(self._take_free().block_id)
+        self.holders[seq.seq_id] = seq
+
+    def cache_full_blocks(self, seq: Sequence, old_computed: int) -> None:
+        """Register blocks that became full since old_computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for j in range(old_computed // bs, seq.num_computed_tokens // bs):
+            block = self.blocks[seq.block_table[j]]
+            parent = self._parent_hash(seq, j)
+            if block.hash is not None or parent is None:
+                continue
+            block.parent_hash = parent
+            block.token_ids = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+            block.hash = self._hash(parent, block.token_ids)
+            # An identical block already cached stays the canonical one; this one still
+            # carries the hash so its children chain correctly.
+            self.hash_to_block.setdefault(block.hash, block.block_id)
+
+    # ------------------------------------------------------------------ sequence operations
+    def free(self, seq: Sequence) -> None:
+        """Release all of seq's blocks; full ones stay in the prefix cache until reused."""
+        for block_id in reversed(seq.block_table):  # tail first: evicted before the shared head
+            self._release(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.holders.pop(seq.seq_id, None)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every block of parent's computed tokens: zero-copy."""
+        keep = cdiv(parent.num_computed_tokens, self.block_size)
+        child.block_table = parent.block_table[:keep]
+        child.num_computed_tokens = parent.num_computed_tokens
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+        if child.block_table:
+            self.holders[child.seq_id] = child
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Cut seq to its first num_tokens tokens, releasing the blocks past them."""
+        num_tokens = min(num_tokens, len(seq))
+        del seq.token_ids[num_tokens:]
+        seq.num_prompt_tokens = min(seq.num_prompt_tokens, num_tokens)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        if seq.num_computed_tokens % self.block_size and seq.block_table:
+            last = self.blocks[seq.block_table[-1]]
+            if last.ref_count == 1:  # about to be overwritten in place: no longer what its hash says
+                self._uncache(last)
+        if not seq.block_table:
+            self.holders.pop(seq.seq_id, None)
+
+    # ------------------------------------------------------------------ introspection
+    def block_states(self) -> tuple[list[int], list[int], list[tuple[str, ...]]]:
+        """Per block: state (FREE / CACHED / USED), refcount, and the owners holding it."""
+        owners: list[set[str]] = [set() for _ in range(self.num_blocks)]
+        for seq in self.holders.values():
+            for block_id in seq.block_table:
+                owners[block_id].add(seq.owner)
+        state = [FREE] * self.num_blocks
+        for block_id in self.cached_free:
+            state[block_id] = CACHED
+        refcount = [b.ref_count for b in self.blocks]
+        for i, r in enumerate(refcount):
+            if r:
+                state[i] = USED
+        return state, refcount, [tuple(sorted(o)) for o in owners]
+
+    def check_invariants(self) -> None:
+        """Every block is exactly one of free / cached-free / held, and refcounts match holders."""
+        held: dict[int, int] = {}
+        for seq in self.holders.values():
+            for block_id in seq.block_table:
+                held[block_id] = held.get(block_id, 0) + 1
+        free, cached = set(self.free_ids), set(self.cached_free)
+        assert len(free) == len(self.free_ids), "a block is twice in the free list"
+        assert not free & cached, "a block is both free and cached-free"
+        for block in self.blocks:
+            i = block.block_id
+            n_held = held.get(i, 0)
+            assert block.ref_count == n_held, f"block {i}: refcount {block.ref_count}, held by {n_held}"
+            in_lists = (i in free) + (i in cached)
+            assert (block.ref_count > 0) + in_lists == 1, f"block {i} is not exactly one of free/cached/held"
+            if i in cached:
+                assert block.hash is not None and self.hash_to_block.get(block.hash) == i
+            if i in free:
+                assert block.hash is None
+        for h, i in self.hash_to_block.items():
+            assert self.blocks[i].hash == h, f"hash table points at block {i} with another hash"

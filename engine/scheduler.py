@@ -1,0 +1,131 @@
+"""Continuous batching: which sequences run this step, and how many tokens each computes."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences of one step with their token counts; decodes (one token) come first."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    num_decodes: int
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle conversations, oldest first
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.parked.pop(seq.seq_id, None)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def park(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.PARKED
+        self.parked[seq.seq_id] = seq
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of every queue (finish, abort, drop); its blocks are the caller's business."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.parked.pop(seq.seq_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ memory pressure
+    def _reclaim(self, protect: Sequence | None) -> bool:
+        """Free some blocks: parked conversations oldest first, then waiting sequences that still
+        hold blocks (newest first), then preempt the most recently admitted running sequence."""
+        if self.parked:
+            _, seq = self.parked.popitem(last=False)
+            self.bm.free(seq)  # stays parked in its conversation with no blocks: recomputed next turn
+            seq.status = SequenceStatus.PARKED
+            return True
+        for seq in reversed(self.waiting):
+            if seq.block_table and seq is not protect:
+                self.bm.free(seq)
+                return True
+        if self.running and self.running[-1] is not protect:
+            self._preempt(self.running[-1])
+            return True
+        return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute: keep the tokens, drop the KV; it resumes before anything newer.
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted_before = self.preemptions
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self.bm.can_append(seq, n):
+                if not self._reclaim(protect=seq):
+                    break
+            if self.bm.can_append(seq, n):  # _reclaim never touches seq or anything before it
+                self.bm.append_slots(seq, n)
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+            else:  # nothing left to reclaim but seq itself
+                self._preempt(seq)
+
+        # Admit waiting prefills unless this step already had to preempt.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and self.preemptions == preempted_before
+        ):
+            seq = self.waiting[0]
+            plan = self.bm.plan(seq)
+            # Parked conversations give way to new work; when nothing runs that could free
+            # memory later, waiting sequences holding blocks give way too. Re-plan after each
+            # release: a released block may be one of seq's prefix-cache hits.
+            while plan.num_free_needed > self.bm.num_free_blocks and (
+                self.parked or (not self.running and not scheduled)
+            ):
+                if not self._reclaim(protect=seq):
+                    break
+                plan = self.bm.plan(seq)
+            if plan.num_free_needed > self.bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq, plan)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            scheduled.append((seq, n))
+            budget -= n
+
+        scheduled.sort(key=lambda sn: sn[1] != 1)  # decodes (one token) first, stable otherwise
+        num_decodes = sum(1 for _, n in scheduled if n == 1)
+        return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes)
