@@ -79,7 +79,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         self.detokenizer: Any = None
-        self.prefill_computed = 0  # prompt tokens this turn actually computed (the rest hit the cache)
+        self.pending_text = ""  # streamed text not yet handed out by LLMEngine.step()
 
     def __len__(self) -> int:
         return len(self.token_ids)

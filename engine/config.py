@@ -1,0 +1,73 @@
+"""EngineConfig: every knob of LLMEngine.from_pretrained, with "auto" resolved once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
+_CUDA_KV_FRACTION = 0.8  # of free device memory after loading the weights
+
+
+@dataclass
+class EngineConfig:
+    model: str = "demo"
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "auto"  # auto | torch | triton
+    block_size: int = 16
+    num_blocks: int | None = None  # exact pool size; else from kv_cache_bytes; else a default budget
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __init__(self, **kwargs) -> None:
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        for f in fields(self):
+            setattr(self, f.name, kwargs.get(f.name, f.default))
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        on_cuda = self.device.startswith("cuda")
+        if on_cuda and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but CUDA is not available")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if on_cuda else "float32"
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if on_cuda else "torch"
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def resolve_num_blocks(self, block_bytes: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        budget = self.kv_cache_bytes
+        if budget is None:
+            if self.device.startswith("cuda"):
+                free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+                budget = int(free * _CUDA_KV_FRACTION)
+            else:
+                budget = _CPU_KV_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"a KV budget of {budget} bytes is less than one block ({block_bytes} bytes)")
+        return num_blocks

@@ -1,0 +1,90 @@
+"""Owns the KV pool and runs the model on one scheduled batch."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.scheduler import ScheduledBatch
+from kernels import copy_blocks
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: str,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        # One pool for all layers: a block id is valid in every layer.
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+
+    @staticmethod
+    def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        copy_blocks(self.k_cache, self.v_cache, src, dst)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat inputs for the batch. Per-sequence Python only (slices, list pads); per-token
+        work (positions, slots) is vectorised."""
+        seqs, counts, nd = batch.seqs, batch.num_tokens, batch.num_decodes
+        starts = [s.num_computed_tokens for s in seqs]
+        ids: list[int] = []
+        for s, c, n in zip(seqs, starts, counts):
+            ids += s.token_ids[c : c + n]
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        start_t = torch.tensor(starts, dtype=torch.int64)
+        count_t = torch.tensor(counts, dtype=torch.int64)
+        block_tables = torch.tensor(tables, dtype=torch.int32)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        torch.cumsum(count_t, 0, out=cu[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), count_t)
+        positions = start_t[seq_of_token] + torch.arange(len(ids)) - cu[seq_of_token]
+        slots = block_tables[seq_of_token, positions // self.block_size].long() * self.block_size
+        slots += positions % self.block_size
+        context_lens = (start_t + count_t).to(torch.int32)
+        # Only sequences whose last token is in this batch produce logits (not mid-prompt chunks).
+        samples = [i for i, s in enumerate(seqs) if starts[i] + counts[i] == len(s)]
+        logits_index = cu[1:][samples] - 1
+
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            num_decode_tokens=nd,
+            decode_block_tables=block_tables[:nd].to(dev),
+            decode_context_lens=context_lens[:nd].to(dev),
+            prefill_block_tables=block_tables[nd:].to(dev),
+            prefill_cu_seqlens_q=(cu[nd:] - cu[nd]).to(torch.int32).to(dev),
+            prefill_context_lens=context_lens[nd:].to(dev),
+            backend=self.backend,
+        )
+        return input_ids.to(dev), positions.to(dev), meta, logits_index.to(dev)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Forward the batch; returns fp32 logits for the sequences that sample, in batch order."""
+        input_ids, positions, meta, logits_index = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[logits_index])
