@@ -1,0 +1,170 @@
+"""Block manager invariants under random operation sequences (hypothesis state machine).
+
+A fake KV pool stores, per slot, the token id that was "computed" there. After every rule the
+test checks that each sequence reads its own tokens back through its block table: this catches
+a write into a shared block, a wrong copy-on-write, a bad prefix-cache hit, a leak or a double free.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence
+
+BS = 4
+NUM_BLOCKS = 24
+VOCAB = 3  # a tiny vocabulary makes shared prefixes (and prefix-cache hits) frequent
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True)
+        self.kv = [[None] * BS for _ in range(NUM_BLOCKS)]  # fake pool: token id per slot
+        self.seqs: list[Sequence] = []
+
+    # -------------------------------------------------------------- helpers
+    def _compute(self, seq: Sequence, n: int) -> None:
+        """What a step does: CoW copies, write n tokens' KV, advance, cache full blocks."""
+        for src, dst in self.bm.pending_copies:
+            self.kv[dst] = list(self.kv[src])
+        self.bm.pending_copies.clear()
+        c = seq.num_computed_tokens
+        for pos in range(c, c + n):
+            block_id = seq.block_table[pos // BS]
+            assert self.bm.blocks[block_id].ref_count == 1, "write into a shared block"
+            self.kv[block_id][pos % BS] = seq.token_ids[pos]
+        seq.num_computed_tokens = c + n
+        self.bm.cache_full_blocks(seq, c)
+
+    # -------------------------------------------------------------- rules
+    @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
+    def admit(self, tokens: list[int]) -> None:
+        seq = Sequence(tokens)
+        seq.owner = f"s{seq.seq_id}"
+        plan = self.bm.plan(seq)
+        if plan.num_free_needed > self.bm.num_free_blocks:
+            return
+        self.bm.allocate(seq, plan)
+        assert len(seq.block_table) * BS >= len(seq)
+        self._compute(seq, seq.num_uncomputed)
+        self.seqs.append(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6))
+    def append(self, data: st.DataObject, extra: list[int]) -> None:
+        seq = data.draw(st.sampled_from(self.seqs))
+        seq.token_ids += extra
+        if not seq.block_table:  # released earlier: re-admit through the prefix cache
+            plan = self.bm.plan(seq)
+            if plan.num_free_needed > self.bm.num_free_blocks:
+                del seq.token_ids[-len(extra) :]
+                return
+            self.bm.allocate(seq, plan)
+        elif not self.bm.can_append(seq, seq.num_uncomputed):
+            del seq.token_ids[-len(extra) :]
+            return
+        else:
+            self.bm.append_slots(seq, seq.num_uncomputed)
+        self._compute(seq, seq.num_uncomputed)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self.seqs))
+        child = Sequence(parent.token_ids[: parent.num_computed_tokens])
+        child.owner = f"s{child.seq_id}"
+        self.bm.fork(parent, child)
+        self.seqs.append(child)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), keep=st.integers(0, 25))
+    def truncate(self, data: st.DataObject, keep: int) -> None:
+        seq = data.draw(st.sampled_from(self.seqs))
+        self.bm.truncate(seq, keep)
+        assert seq.num_computed_tokens <= len(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.seqs))
+        self.bm.free(seq)
+        self.seqs.remove(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def release_keep_tokens(self, data: st.DataObject) -> None:
+        """A parked conversation released under memory pressure (or a preemption)."""
+        seq = data.draw(st.sampled_from(self.seqs))
+        self.bm.free(seq)
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+
+    # -------------------------------------------------------------- invariants
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        self.bm.check_invariants()  # every block exactly one of free / cached-free / held; refcounts
+        assert self.bm.num_free_blocks + sum(b.ref_count > 0 for b in self.bm.blocks) == NUM_BLOCKS
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self) -> None:
+        for seq in self.seqs:
+            for pos in range(seq.num_computed_tokens):
+                block_id = seq.block_table[pos // BS]
+                assert self.kv[block_id][pos % BS] == seq.token_ids[pos], f"{seq} reads a wrong token at {pos}"
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self) -> None:
+        for h, block_id in self.bm.hash_to_block.items():
+            block = self.bm.blocks[block_id]
+            assert block.hash == h
+            assert self.kv[block_id] == list(block.token_ids), "a cached block's KV changed"
+
+
+TestBlockManager = BlockManagerMachine.TestCase
+TestBlockManager.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def test_prefix_cache_hit_and_lru_eviction() -> None:
+    bm = BlockManager(4, BS)
+    a = Sequence(list(range(9)))  # two full blocks + one token
+    bm.allocate(a, bm.plan(a))
+    a.num_computed_tokens = 9
+    bm.cache_full_blocks(a, 0)
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and len(bm.cached_free) == 2
+
+    b = Sequence(list(range(8)) + [99, 98])
+    plan = bm.plan(b)
+    assert len(plan.hits) == 2 and plan.num_hits_from_free == 2
+    bm.allocate(b, plan)
+    assert b.num_computed_tokens == 8 and bm.prefix_hits == 8
+
+    # Pool pressure evicts cached-free blocks, least recently freed first.
+    bm.free(b)
+    c = Sequence([7] * 16)
+    bm.allocate(c, bm.plan(c))
+    assert not bm.hash_to_block, "all cached blocks should have been evicted for c"
+    bm.check_invariants()
+
+
+def test_fork_then_append_copies_on_write() -> None:
+    bm = BlockManager(8, BS)
+    parent = Sequence([1, 2, 3, 4, 5, 6])
+    bm.allocate(parent, bm.plan(parent))
+    parent.num_computed_tokens = 6
+    child = Sequence(parent.token_ids)
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table
+    assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table)
+    child.token_ids.append(7)
+    bm.append_slots(child, 1)  # writes into the shared, partly filled second block
+    assert child.block_table[0] == parent.block_table[0]
+    assert child.block_table[1] != parent.block_table[1]
+    assert bm.pending_copies == [(parent.block_table[1], child.block_table[1])]
+    assert bm.cow_copies == 1
+    bm.check_invariants()
