@@ -41,9 +41,7 @@ def paged_prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     starts, q_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q.diff().tolist()
-    return _paged_attention(
-        q, k_cache, v_cache, block_tables, starts, q_lens, context_lens.tolist(), scale
-    )
+    return _paged_attention(q, k_cache, v_cache, block_tables, starts, q_lens, context_lens.tolist(), scale)
 
 
 def _paged_attention(

@@ -1,0 +1,180 @@
+"""Triton paged decode attention: GQA-grouped, split-K ("flash decoding", vLLM v2).
+
+Stage 1 runs one program per (sequence, KV head, split): it loads each K/V tile once for all the
+query heads sharing that KV head (group padded to >= 16 rows so tl.dot can use tensor cores) and
+keeps an online softmax in fp32. With one split it writes the output directly; otherwise each
+split writes a normalised partial and its log-sum-exp, and stage 2 merges the splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_stage1(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, lse_ptr,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb,
+    stride_ob, stride_oh,
+    scale_log2,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    # splits are whole BLOCK_N tiles; short sequences leave their trailing splits empty
+    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    if start >= end:
+        return
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    heads = kvh * G + offs_g
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        # masked loads: table entries and slots past the context are never touched
+        blk = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
+        slot = offs_n % BS
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G, N], log2 domain
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(
+            v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    out_mask = mask_g[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials: [B, Hq, NUM_SPLITS, D] fp32, lse: [B, Hq, NUM_SPLITS] (log2 domain)
+        row = (b * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=out_mask)
+        tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+
+
+@triton.jit
+def _decode_merge(
+    part_ptr, lse_ptr, ctx_ptr, out_ptr,
+    stride_ob, stride_oh,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    # empty splits wrote nothing: their buffer rows are garbage, mask them out
+    mask_s = (offs_s < NUM_SPLITS) & (offs_s * split_len < ctx)
+    mask_d = offs_d < D
+    row = (b * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
+    lse = tl.load(lse_ptr + row, mask=mask_s, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    part = tl.load(part_ptr + row[:, None] * D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    o = tl.sum(part * w[:, None], 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: just enough to exercise the split path on long contexts
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU twice over, each split at least MIN_SPLIT_TOKENS long."""
+    want = triton.cdiv(2 * _num_sms(device), batch * num_kv_heads)
+    return max(1, min(want, triton.cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    B, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    assert Hq % Hkv == 0 and D <= 256, (Hq, Hkv, D)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    G = Hq // Hkv
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    if num_splits is None:
+        # the table width bounds every context without a device sync
+        num_splits = choose_num_splits(B, Hkv, block_tables.shape[1] * bs, q.device)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_N = 64 if BLOCK_D <= 128 else 32
+    BLOCK_G = max(16, triton.next_power_of_2(G))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if num_splits > 1:
+        part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    _decode_stage1[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part, lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        scale * 1.4426950408889634,  # log2(e): softmax in base 2
+        G=G, D=D, BS=bs, NUM_SPLITS=num_splits,
+        BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_merge[(B, Hq)](
+            part, lse, context_lens, out,
+            out.stride(0), out.stride(1),
+            D=D, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,138 @@
+"""Triton paged prefill attention: causal flash attention of packed new tokens over paged K/V.
+
+One program per (query tile, query head). Tiles of all sequences are numbered without a device
+sync: sequence b owns tile ids [cu[b] // BLOCK_M + b, cu[b+1] // BLOCK_M + b + 1), found in the
+kernel by binary search over cu_seqlens_q; surplus ids exit at once. K/V are read block by block
+through the block table, from position 0 (the cached prefix) up to the tile's last query.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(cu_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+    # last b with cu[b] // BLOCK_M + b <= tile
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
+    num_seqs,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb,
+    stride_ot, stride_oh,
+    scale_log2,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = _find_seq(cu_ptr, tile, num_seqs, BLOCK_M)
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    m0 = (tile - (q_start // BLOCK_M + b)) * BLOCK_M
+    if m0 >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + b)
+    kvh = h // G
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < D
+    pos = ctx - q_len + offs_m  # absolute position of each query
+    q = tl.load(
+        q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b * stride_btb
+    # keys past the tile's last query are causally invisible to the whole tile: never loaded
+    kv_end = tl.minimum(ctx - q_len + m0 + BLOCK_M, ctx)
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < kv_end
+        blk = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
+        slot = offs_n % BS
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        # padding rows (offs_m >= q_len) see keys up to kv_end only, so no row is all -inf
+        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(
+            v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    T, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    assert Hq % Hkv == 0 and D <= 256, (Hq, Hkv, D)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    B = context_lens.shape[0]
+    out = torch.empty_like(q)
+    if T == 0 or B == 0:
+        return out
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_M = 64 if BLOCK_D <= 128 else 32
+    BLOCK_N = 64 if BLOCK_D <= 64 else 32
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # T // BLOCK_M + B bounds the tile count of any split of T tokens into B sequences
+    grid = (T // BLOCK_M + B, Hq)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        B,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        scale * 1.4426950408889634,
+        G=Hq // Hkv, D=D, BS=bs,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision,
+        num_warps=4 if BLOCK_D <= 64 else 8, num_stages=2,
+    )  # fmt: skip
+    return out
