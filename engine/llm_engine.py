@@ -157,7 +157,7 @@ class LLMEngine:
                 f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{limit} tokens; lower max_tokens to at most {limit - n_prompt}"
             )
-        vocab = self.loaded.vocab_size
+        vocab = self.loaded.config.vocab_size
         if max(token_ids) >= vocab or min(token_ids) < 0:
             raise RequestError(f"token ids must be in [0, {vocab})")
         bs = self.config.block_size
@@ -296,14 +296,36 @@ class LLMEngine:
         if bm.pending_copies:  # copy-on-write before attention reads or writes those blocks
             self.runner.copy_blocks(bm.pending_copies)
             bm.pending_copies.clear()
-        logits = self.runner.run(batch)
+        try:
+            logits = self.runner.run(batch)
+            touched = self._advance(batch)
+            rows, seqs = self._expand_samples(batch)
+            tokens = self._sample(logits[rows], seqs) if seqs else []
+        except Exception as e:  # the batch is lost, the engine is not: its requests end with the error
+            for group in {s.group.request_id: s.group for s in batch.seqs}.values():
+                self._fail(group, f"{type(e).__name__}: {e}")
+            return self._collect_finished([])
         self.num_steps += 1
-        touched = self._advance(batch)
-        rows, seqs = self._expand_samples(batch)
-        if seqs:
-            tokens = self._sample(logits[rows], seqs)
-            self._append_tokens(seqs, tokens)
+        self._append_tokens(seqs, tokens)
         return self._collect_finished(touched)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request in flight with an error (after an unexpected engine failure)."""
+        for group in list(self.groups.values()):
+            self._fail(group, message)
+        return self._collect_finished([])
+
+    def _fail(self, group: SequenceGroup, message: str) -> None:
+        """End one request with an error; its sequences' blocks go back (a conversation recomputes)."""
+        group.error = message
+        for seq in group.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+            self._release(seq)
+        conv = self.conversations.get(group.conversation_id)
+        if conv is not None:
+            conv.seqs = [Sequence(group.seqs[0].token_ids[: group.prompt_len])]
+            conv.seqs[0].status = SequenceStatus.PARKED
 
     def _advance(self, batch: ScheduledBatch) -> list[SequenceGroup]:
         touched: dict[str, SequenceGroup] = {}
@@ -353,19 +375,26 @@ class LLMEngine:
         self._recent.append((now, len(tokens)))
         for seq, token in zip(seqs, tokens):
             group, p = seq.group, seq.group.params
+            if group.error is not None:
+                continue
             if group.first_token_time is None:
                 group.first_token_time = now
             seq.token_ids.append(token)
-            if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
-                self._finish(seq, "stop")
-                continue
-            seq.pending_text += seq.detokenizer.append(token)
-            if seq.detokenizer.stopped:
-                self._finish(seq, "stop")
-            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
-                self._finish(seq, "length")
+            try:
+                if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+                    self._finish(seq, "stop")
+                    continue
+                seq.pending_text += seq.detokenizer.append(token)
+                if seq.detokenizer.stopped:
+                    self._finish(seq, "stop")
+                elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+                    self._finish(seq, "length")
+            except Exception as e:  # one request's failure (e.g. its detokenizer) ends only that request
+                self._fail(group, f"{type(e).__name__}: {e}")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.finish_reason is not None:
+            return
         seq.finish_reason = reason
         if reason != "stop" or not seq.detokenizer.stopped:
             seq.pending_text += seq.detokenizer.flush()
@@ -379,6 +408,7 @@ class LLMEngine:
 
     def _collect_finished(self, touched: list[SequenceGroup]) -> list[RequestOutput]:
         outputs = []
+        touched_ids = {g.request_id for g in touched}
         for group in touched:
             done = self._group_done(group)
             outputs.append(self._output(group, done))
@@ -389,7 +419,7 @@ class LLMEngine:
                     conv.request_id = None
         # Aborted groups that were not scheduled this step still need their final output.
         for rid, group in list(self.groups.items()):
-            if group not in touched and self._group_done(group):
+            if rid not in touched_ids and self._group_done(group):
                 outputs.append(self._output(group, True))
                 del self.groups[rid]
                 conv = self.conversations.get(group.conversation_id)
@@ -401,6 +431,8 @@ class LLMEngine:
     def _group_done(group: SequenceGroup) -> bool:
         # An aborted group may never have forked its n-1 siblings.
         forked = len(group.seqs) == group.params.n or group.seqs[0].finish_reason in ("abort", "error")
+        if group.error is not None:
+            return True
         return forked and all(s.finish_reason for s in group.seqs)
 
     def _output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
@@ -419,6 +451,7 @@ class LLMEngine:
             ],
             finished=finished,
             deltas=deltas,
+            error=group.error,
         )
         if finished:
             now = time.monotonic()

@@ -120,9 +120,4 @@ class SequenceGroup:
     finish_time: float | None = None
     prompt_len: int = 0
     prefilled_tokens: int = 0  # prompt tokens computed (not served by the cache), all sequences
-
-    @property
-    def is_finished(self) -> bool:
-        return all(s.is_finished or s.status is SequenceStatus.PARKED for s in self.seqs) and len(
-            self.seqs
-        ) == self.params.n
+    error: str | None = None  # set when the request failed

@@ -1,0 +1,161 @@
+"""EngineThread: one LLMEngine on a background thread; commands in, events out.
+
+Commands are queued from any thread and return at once (ids are made by the caller's thread,
+so a front end can refer to a conversation before the engine has seen it). Events go to one
+callback, called on the engine thread: it must not block. The thread sleeps on the queue when
+there is no work, steps the engine while there is, and turns any failure into an EngineError
+for the request concerned; it never dies of one request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.events import EngineError, Event, Finished, TokenDelta
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sequence import SamplingParams
+
+_SHUTDOWN = "shutdown"
+
+
+class EngineThread:
+    def __init__(
+        self, engine: LLMEngine, on_event: Callable[[Event], None], snapshot_interval: float = 0.1
+    ) -> None:
+        self.engine = engine
+        self.on_event = on_event
+        self.snapshot_interval = snapshot_interval  # at most ~10 CacheSnapshot events per second
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._ids = itertools.count()  # next() on a count is atomic under the GIL
+        self._request_conv: dict[str, str] = {}  # live request -> conversation (engine thread only)
+        self._thread = threading.Thread(target=self._run, name="rosechat-engine", daemon=True)
+
+    # ------------------------------------------------------------------ commands (any thread)
+    def start(self) -> None:
+        self._thread.start()
+
+    def new_conversation(self) -> str:
+        cid = f"conv-{next(self._ids)}"
+        self._commands.put(("start", cid))
+        return cid
+
+    def submit_turn(self, conversation_id: str, messages: list[dict[str, str]], params: SamplingParams) -> str:
+        rid = f"turn-{next(self._ids)}"
+        self._commands.put(("submit", conversation_id, list(messages), params, rid))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def fork_conversation(self, conversation_id: str) -> str:
+        cid = f"conv-{next(self._ids)}"
+        self._commands.put(("fork", conversation_id, cid))
+        return cid
+
+    def drop_conversation(self, conversation_id: str) -> None:
+        self._commands.put(("drop", conversation_id))
+
+    def request_snapshot(self) -> None:
+        self._commands.put(("snapshot",))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put((_SHUTDOWN,))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the loop (engine thread)
+    def _emit(self, event: Event) -> None:
+        try:
+            self.on_event(event)
+        except Exception:  # a broken listener must not stop the engine
+            pass
+
+    def _run(self) -> None:
+        eng = self.engine
+        last_snapshot, dirty = 0.0, False
+        while not self._stop.is_set():
+            busy = eng.has_unfinished_requests()
+            try:  # block only when idle: no busy loop, ~0 CPU
+                cmd = self._commands.get(block=not busy, timeout=None)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd[0] == _SHUTDOWN:
+                    return
+                dirty |= self._handle(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if eng.has_unfinished_requests():
+                try:
+                    outputs = eng.step()
+                except Exception as e:  # an engine bug: end the requests in flight, keep serving
+                    outputs = eng.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                for out in outputs:
+                    self._emit_output(out)
+                dirty = True
+            now = time.monotonic()
+            if dirty and (now - last_snapshot >= self.snapshot_interval or not eng.has_unfinished_requests()):
+                self._emit(eng.cache_snapshot())
+                last_snapshot, dirty = now, False
+
+    def _handle(self, cmd: tuple[Any, ...]) -> bool:
+        """Run one command; returns whether the cache may have changed."""
+        eng, kind = self.engine, cmd[0]
+        if kind == "snapshot":
+            self._emit(eng.cache_snapshot())
+            return False
+        rid = cmd[4] if kind == "submit" else cmd[1] if kind == "abort" else None
+        cid = cmd[1] if kind in ("start", "submit", "fork", "drop") else self._request_conv.get(rid)
+        try:
+            if kind == "start":
+                eng.start_conversation(cmd[1])
+            elif kind == "submit":
+                if cid not in eng.conversations:
+                    eng.start_conversation(cid)
+                eng.submit_turn(cid, cmd[2], cmd[3], request_id=rid)
+                self._request_conv[rid] = cid
+            elif kind == "abort":
+                eng.abort(cmd[1])
+            elif kind == "fork":
+                eng.fork_conversation(cmd[1], cmd[2])
+            elif kind == "drop":
+                eng.drop_conversation(cmd[1])
+        except Exception as e:
+            self._emit(EngineError(rid, cid, f"{kind} failed: {e}"))
+        return True
+
+    def _emit_output(self, out: RequestOutput) -> None:
+        for index, text in out.deltas:
+            self._emit(TokenDelta(out.request_id, out.conversation_id, index, text))
+        if not out.finished:
+            return
+        self._request_conv.pop(out.request_id, None)
+        if out.error is not None:
+            self._emit(EngineError(out.request_id, out.conversation_id, out.error))
+            return
+        self._emit(
+            Finished(
+                request_id=out.request_id,
+                conversation_id=out.conversation_id,
+                texts=tuple(o.text for o in out.outputs),
+                finish_reasons=tuple(o.finish_reason or "stop" for o in out.outputs),
+                usage=out.usage,
+                ttft_s=out.ttft_s,
+                total_s=out.total_s,
+                tokens_per_s=out.tokens_per_s,
+            )
+        )
+
