@@ -1,0 +1,1 @@
+"""rosechat's widgets."""

@@ -1,0 +1,272 @@
+"""The KV-cache panel: every physical block as a cell, coloured by the tab that holds it.
+
+It renders ``CacheSnapshot`` values only and never touches the engine. The map uses Textual's line
+API: a snapshot is turned into one ``Strip`` per row once (runs of equal style merged into one
+segment), so ~10 updates a second over a few thousand blocks stay cheap.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.strip import Strip
+from textual.widget import Widget
+from textual.widgets import Static
+
+from engine.events import CACHED, USED, CacheSnapshot
+
+# Distinct on dark and light backgrounds; tabs take them in order, unknown owners by a stable hash.
+PALETTE = (
+    "#e5677f", "#5fb3f6", "#98c379", "#e5c07b", "#c678dd", "#56b6c2",
+    "#f08d49", "#a3be8c", "#ff79c6", "#8be9fd", "#d19a66", "#b48ead",
+)
+CELL_WIDTH = 2  # one glyph and a gap, so neighbouring blocks stay distinguishable
+
+# Cell kinds, in order of interest: a cell that groups several blocks shows its most interesting one.
+K_FREE, K_CACHED, K_USED, K_SHARED = 0, 1, 2, 3
+
+
+def owner_color(owner: str) -> str:
+    """A stable colour for an owner id (crc32, not hash(): that changes between runs)."""
+    return PALETTE[zlib.crc32(owner.encode()) % len(PALETTE)]
+
+
+@dataclass(frozen=True)
+class OwnerStyle:
+    label: str
+    color: str
+
+
+@dataclass(frozen=True)
+class Cell:
+    kind: int
+    owner: str | None = None  # for USED/SHARED: the holder the colour comes from
+    refcount: int = 0
+
+
+def group_cells(snapshot: CacheSnapshot, capacity: int) -> tuple[int, list[Cell]]:
+    """Fold the pool into at most ``capacity`` cells; returns (blocks per cell, cells)."""
+    n = snapshot.num_blocks
+    per_cell = max(1, math.ceil(n / max(1, capacity)))
+    state, refcount, owners = snapshot.state, snapshot.refcount, snapshot.owners
+    cells: list[Cell] = []
+    for start in range(0, n, per_cell):
+        best_kind, best_block = K_FREE, start
+        for b in range(start, min(start + per_cell, n)):
+            s = state[b]
+            kind = (K_SHARED if refcount[b] > 1 else K_USED) if s == USED else K_CACHED if s == CACHED else K_FREE
+            if kind > best_kind or (kind == K_SHARED and refcount[b] > refcount[best_block]):
+                best_kind, best_block = kind, b
+        if best_kind >= K_USED:
+            holders = owners[best_block]
+            cells.append(Cell(best_kind, holders[0] if holders else None, refcount[best_block]))
+        else:
+            cells.append(Cell(best_kind))
+    return per_cell, cells
+
+
+class BlockMap(Widget):
+    """The grid of cells. Sized by its container; folds blocks into cells when the pool is larger."""
+
+    DEFAULT_CSS = """
+    BlockMap { width: 1fr; height: 1fr; }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.snapshot: CacheSnapshot | None = None
+        self.owner_styles: Mapping[str, OwnerStyle] = {}
+        self.blocks_per_cell = 1
+        self.cells: list[Cell] = []
+        self._strips: list[Strip] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return max(1, self.size.width // CELL_WIDTH) * max(1, self.size.height)
+
+    def show(self, snapshot: CacheSnapshot, owner_styles: Mapping[str, OwnerStyle]) -> None:
+        self.snapshot = snapshot
+        self.owner_styles = owner_styles
+        self._strips = None
+        self.refresh()
+
+    def on_resize(self) -> None:
+        self._strips = None
+
+    def color_of(self, owner: str | None) -> str:
+        if owner is None:
+            return "#888888"
+        style = self.owner_styles.get(owner)
+        return style.color if style else owner_color(owner)
+
+    def _cell_segment(self, cell: Cell, base: Style) -> tuple[str, Style]:
+        if cell.kind == K_SHARED:
+            digit = str(cell.refcount) if cell.refcount < 10 else "+"
+            return digit, base + Style(color="#000000", bgcolor=self.color_of(cell.owner), bold=True)
+        if cell.kind == K_USED:
+            return "█", base + Style(color=self.color_of(cell.owner))
+        if cell.kind == K_CACHED:
+            return "▒", base + Style(color="#7f8491")
+        return "·", base + Style(color="#4b5060")
+
+    def _build(self) -> list[Strip]:
+        if self.snapshot is None or self.size.width < CELL_WIDTH:
+            return []
+        self.blocks_per_cell, self.cells = group_cells(self.snapshot, self.capacity)
+        base = self.rich_style
+        columns = max(1, self.size.width // CELL_WIDTH)
+        strips = []
+        for row_start in range(0, len(self.cells), columns):
+            pieces: list[tuple[str, Style]] = []
+            for cell in self.cells[row_start : row_start + columns]:
+                pieces.append(self._cell_segment(cell, base))
+                pieces.append((" ", base))
+            strips.append(Strip(_merge(pieces)).adjust_cell_length(self.size.width, base))
+        return strips
+
+    def render_line(self, y: int) -> Strip:
+        if self._strips is None:
+            self._strips = self._build()
+        if y < len(self._strips):
+            return self._strips[y]
+        return Strip.blank(self.size.width, self.rich_style)
+
+
+def _merge(pieces: list[tuple[str, Style]]) -> list[Segment]:
+    """Runs of equal style become one segment: a row is a handful of segments, not hundreds."""
+    segments: list[Segment] = []
+    text, style = "", None
+    for piece, piece_style in pieces:
+        if piece_style == style:
+            text += piece
+        else:
+            if text:
+                segments.append(Segment(text, style))
+            text, style = piece, piece_style
+    if text:
+        segments.append(Segment(text, style))
+    return segments
+
+
+def _fmt_int(n: int) -> str:
+    return f"{n:,}"
+
+
+def stats_text(snapshot: CacheSnapshot, blocks_per_cell: int = 1) -> Text:
+    """The numbers beside the map, label / value rows."""
+    s = snapshot
+    used = s.used_blocks
+    rows: list[tuple[str, str]] = [
+        ("blocks used", f"{_fmt_int(used)} / {_fmt_int(s.num_blocks)} ({100 * used / max(1, s.num_blocks):.0f}%)"),
+        ("block size", f"{s.block_size} tokens"),
+        ("cached", f"{_fmt_int(s.cached_blocks)}  free {_fmt_int(s.free_blocks)}"),
+        ("shared", f"{_fmt_int(s.shared_blocks)} blocks"),
+        ("saved", f"{_fmt_int(s.blocks_saved)} blocks by sharing"),
+        ("prefix hits", f"{100 * s.hit_rate:.1f}% ({s.prefix_cache_hits:,}/{s.prefix_cache_queries:,} tok)"),
+        ("CoW copies", _fmt_int(s.cow_copies)),
+        ("preemptions", _fmt_int(s.preemptions)),
+        ("seqs", f"{s.num_running} running, {s.num_waiting} waiting"),
+        ("tokens/s", f"{s.tokens_per_s:.1f}"),
+    ]
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for label, value in rows:
+        text.append(f"{label:<12}", style="dim")
+        text.append(value + "\n")
+    text.append(f"1 cell = {blocks_per_cell} block{'s' if blocks_per_cell != 1 else ''}", style="italic dim")
+    return text
+
+
+def legend_text(snapshot: CacheSnapshot, owner_styles: Mapping[str, OwnerStyle], width: int = 80) -> Text:
+    """The block kinds, then an entry per holder present (deduplicated by label), wrapped between entries."""
+    present: dict[str, str] = {}  # label -> colour, in order of first appearance
+    for holders in snapshot.owners:
+        for owner in holders:
+            style = owner_styles.get(owner)
+            label, color = (style.label, style.color) if style else (owner[:10], owner_color(owner))
+            present.setdefault(label, color)
+    entries = [
+        Text.assemble(("2", "bold #000000 on #bbbbbb"), " shared (refcount)"),
+        Text.assemble(("▒", "#7f8491"), " cached"),
+        Text.assemble(("·", "#4b5060"), " free"),
+    ]
+    entries += [Text.assemble(("█", color), f" {label}") for label, color in present.items()]
+    text = Text(no_wrap=True, overflow="ellipsis")
+    line_length = 0
+    for entry in entries:
+        if line_length and line_length + 2 + entry.cell_len > width:
+            text.append("\n")
+            line_length = 0
+        elif line_length:
+            text.append("  ")
+            line_length += 2
+        text.append_text(entry)
+        line_length += entry.cell_len
+    return text
+
+
+class KVPanel(Widget):
+    """Map on the left, numbers and legend on the right. Feed it with ``show(snapshot, owners)``."""
+
+    DEFAULT_CSS = """
+    KVPanel {
+        height: 14;
+        border: round $primary;
+        border-title-color: $text;
+        padding: 0 1;
+    }
+    KVPanel > Horizontal { height: 1fr; }
+    KVPanel #kv-left { width: 1fr; height: 1fr; }
+    KVPanel #kv-legend { height: auto; max-height: 3; }
+    KVPanel #kv-stats { width: 36; height: 1fr; padding-left: 1; }
+    """
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.snapshot: CacheSnapshot | None = None
+        self.owner_styles: dict[str, OwnerStyle] = {}
+        self.border_title = "KV cache"
+
+    def compose(self) -> ComposeResult:
+        with Horizontal():
+            with Vertical(id="kv-left"):
+                yield BlockMap(id="kv-map")
+                yield Static("", id="kv-legend")
+            yield Static("waiting for the engine…", id="kv-stats")
+
+    def show(self, snapshot: CacheSnapshot, owners: Mapping[str, OwnerStyle] | None = None) -> None:
+        self.snapshot = snapshot
+        if owners is not None:
+            self.owner_styles = dict(owners)
+        if not self.is_mounted or not self.display:
+            return  # drawn when shown again (see on_show)
+        self._draw()
+
+    def on_show(self) -> None:
+        if self.snapshot is not None:
+            self._draw()
+
+    def _draw(self) -> None:
+        assert self.snapshot is not None
+        block_map = self.query_one(BlockMap)
+        block_map.show(self.snapshot, self.owner_styles)
+        # The fold factor depends on the map's size, known once laid out; before that assume 1.
+        per_cell = math.ceil(self.snapshot.num_blocks / block_map.capacity) if block_map.size.area else 1
+        self.query_one("#kv-stats", Static).update(stats_text(self.snapshot, max(1, per_cell)))
+        legend = self.query_one("#kv-legend", Static)
+        width = legend.size.width or block_map.size.width or 80
+        legend.update(legend_text(self.snapshot, self.owner_styles, width))
+
+    def on_resize(self) -> None:
+        if self.snapshot is not None:
+            self.call_after_refresh(self._draw)
+
+
+__all__ = ["BlockMap", "Cell", "KVPanel", "OwnerStyle", "PALETTE", "group_cells", "owner_color", "stats_text"]
