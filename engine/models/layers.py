@@ -1,0 +1,183 @@
+"""Building blocks shared by the models: RMSNorm, merged projections, rotary embeddings."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    # gelu_new (GPT-2) is the tanh approximation of GELU
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r} (supported: {', '.join(ACTIVATIONS)})") from None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32 like the reference (Llama/Qwen) models."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MergedLinear(nn.Linear):
+    """One Linear standing for several checkpoint projections stacked along the output dim.
+
+    `output_sizes[i]` rows belong to shard i (e.g. q, k, v or gate, up); the loader copies each
+    checkpoint tensor into its rows, so the forward pass is a single matmul.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """(first row, number of rows) of one shard."""
+        return sum(self.output_sizes[:shard]), self.output_sizes[shard]
+
+
+# --- rotary position embeddings ---------------------------------------------------------------
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE settings of a config, for transformers 5 (`rope_parameters`) and 4 (`rope_scaling`
+    + `rope_theta`) layouts alike. Always has `rope_type` and `rope_theta`."""
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        params = getattr(config, "rope_scaling", None)
+    params = dict(params or {})
+    if "rope_theta" not in params and "type" not in params and "rope_type" not in params:
+        # transformers 5 may nest settings by layer type; these models use full attention only
+        nested = params.get("full_attention")
+        if isinstance(nested, dict):
+            params = dict(nested)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    return params
+
+
+def rope_inv_freq(params: dict[str, Any], head_dim: int, max_position: int) -> tuple[Tensor, float]:
+    """Inverse frequencies [head_dim // 2] and the cos/sin scale, as transformers' rope init functions."""
+    rope_type = params["rope_type"]
+    base = float(params["rope_theta"])
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    # explicit CPU: models may be built under a meta-device context
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params, max_position), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(base, params, head_dim, max_position)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)")
+
+
+def _llama3_inv_freq(inv_freq: Tensor, params: dict[str, Any], max_position: int) -> Tensor:
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_len = params.get("original_max_position_embeddings") or max_position
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    base: float, params: dict[str, Any], dim: int, max_position: int
+) -> tuple[Tensor, float]:
+    original = params.get("original_max_position_embeddings") or max_position
+    factor = params.get("factor") or max_position / original
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves). cos/sin for every position up to `max_position` are computed
+    once (float32, then cast to the activations' dtype) and indexed by the flat positions."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.inv_freq, self.attention_scale = rope_inv_freq(params, head_dim, max_position)
+        self._cache: tuple[Tensor, Tensor] | None = None  # cos, sin: [max_position, head_dim // 2]
+
+    def _cos_sin(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        cache = self._cache
+        if cache is None or cache[0].device != like.device or cache[0].dtype != like.dtype:
+            positions = torch.arange(self.max_position, dtype=torch.float32, device=like.device)
+            freqs = positions[:, None] * self.inv_freq.to(like.device)[None, :]
+            cos = (freqs.cos() * self.attention_scale).to(like.dtype)
+            sin = (freqs.sin() * self.attention_scale).to(like.dtype)
+            cache = self._cache = (cos, sin)
+        return cache
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies."""
+        cos, sin = self._cos_sin(q)
+        cos = cos[positions].unsqueeze(1)
+        sin = sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,161 @@
+"""The Llama family: Llama (and SmolLM), Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+
+Flat token batches: `forward(input_ids [T], positions [T], meta)`, no padding, no batch dim.
+q/k/v and gate/up are each one merged projection; the loader fills their rows from the
+checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.attention import Attention, AttentionMetadata
+from engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, get_activation, rope_parameters
+
+
+class LlamaAttentionBlock(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # Qwen3 normalises every head of q and k before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = get_activation(getattr(config, "hidden_act", "silu"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttentionBlock(config, qkv_bias, o_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection -> (merged parameter, shard)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias, qk_norm = self._attention_options(config)
+        self.model = LlamaModel(config, qkv_bias, o_bias, qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @staticmethod
+    def _attention_options(config: Any) -> tuple[bool, bool, bool]:
+        """(qkv bias, o_proj bias, per-head q/k norm)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias, False
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def weight_target(self, name: str) -> tuple[str, int | None, bool] | None:
+        """Map a checkpoint tensor name to (parameter name, merged shard or None, transpose).
+        None = a tensor to skip (rotary caches, a tied head saved anyway)."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name.startswith("lm_head."):
+            return None if self.tie_word_embeddings else (name, None, False)
+        if not name.startswith("model."):  # checkpoints of the bare decoder have no prefix
+            name = "model." + name
+        parts = name.split(".")
+        if len(parts) > 2 and parts[-2] in self.packed_modules:
+            merged, shard = self.packed_modules[parts[-2]]
+            parts[-2] = merged
+            return ".".join(parts), shard, False
+        return name, None, False
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same graph as Llama. Sliding-window attention is not applied; the loader caps the context
+    length at the window instead, which keeps results exact."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def _attention_options(config: Any) -> tuple[bool, bool, bool]:
+        return True, False, False  # q/k/v always have biases, o_proj never
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def _attention_options(config: Any) -> tuple[bool, bool, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias, True
+
+
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]

@@ -1,0 +1,211 @@
+"""Own model implementations against transformers, through the paged KV cache.
+
+Each case saves a tiny random transformers model, loads it with engine.loader, and compares
+logits of (a) a ragged batch packed as one prefill, (b) one decode step for every sequence and
+(c) a mixed step (decodes + a chunked-prefill continuation + a new prompt) with transformers'
+forward over the same tokens (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.attention import Attention, AttentionMetadata
+from engine.loader import load_model
+from engine.models import MODEL_REGISTRY, get_model_class
+from engine.models.layers import rope_inv_freq, rope_parameters
+from tests.helpers import TINY_VOCAB, PagedHarness, reference_logits, reference_model
+
+ATOL = 1e-4
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+# case -> (arch, config overrides, save kwargs)
+CASES = {
+    # GQA 3, explicit head_dim 48 (not hidden/heads), llama3 RoPE, untied head, all biases, 3+ shards
+    "llama-gqa3-hd48-llama3-bias-sharded": (
+        "llama",
+        dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, head_dim=48,
+             attention_bias=True, mlp_bias=True, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
+        dict(max_shard_size="300KB"),
+    ),
+    # SmolLM-like: head_dim 64, MQA, tied head, rope_theta 1e5 with linear scaling
+    "llama-mqa-hd64-tied-linear": (
+        "llama",
+        dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+             rope_parameters={"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0}),
+        {},
+    ),
+    # qkv bias, head_dim 80, tied, YaRN
+    "qwen2-hd80-tied-yarn": (
+        "qwen2",
+        dict(hidden_size=320, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 64}),
+        {},
+    ),
+    # per-head q/k RMSNorm, GQA 3, head_dim 64 from the config (hidden/heads would be 32), untied
+    "qwen3-qknorm-gqa3-hd64": (
+        "qwen3",
+        dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+             tie_word_embeddings=False),
+        {},
+    ),
+    "mistral-mha": (
+        "mistral",
+        dict(num_attention_heads=4, num_key_value_heads=4, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 1e6}),
+        {},
+    ),
+    "gpt2-tied": ("gpt2", dict(tie_word_embeddings=True), {}),
+    "gpt2-untied-inverse-layer-scale": (
+        "gpt2", dict(tie_word_embeddings=False, scale_attn_by_inverse_layer_idx=True, n_inner=96), {}
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tiny_model_factory):
+    arch, overrides, save_kwargs = CASES[request.param]
+    path = tiny_model_factory(arch, **overrides, **save_kwargs)
+    return SimpleNamespace(name=request.param, path=path, loaded=load_model(str(path)), ref=reference_model(path))
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
+    assert got.shape == want.shape, what
+    assert got.dtype == torch.float32
+    diff = (got - want).abs().max().item()
+    assert diff < ATOL, f"{what}: max |logit diff| {diff:.2e}"
+    return diff
+
+
+def test_matches_transformers(case):
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, TINY_VOCAB, (n,), generator=gen).tolist()
+    harness = PagedHarness(case.loaded, num_blocks=64, block_size=4)
+    prompts = {0: rand(5), 1: rand(17), 2: rand(1), 3: rand(9)}
+    max_diff = 0.0
+
+    # (a) ragged batch, one packed prefill
+    logits = harness.step(prefills=list(prompts.items()))
+    offset = 0
+    for seq, tokens in prompts.items():
+        want = reference_logits(case.ref, tokens)
+        max_diff = max(max_diff, _compare(logits[offset : offset + len(tokens)], want, f"prefill seq {seq}"))
+        offset += len(tokens)
+    assert offset == logits.shape[0]
+
+    # (b) one decode step for every sequence
+    nxt = {seq: rand(1)[0] for seq in prompts}
+    logits = harness.step(decodes=nxt)
+    for i, seq in enumerate(prompts):
+        prompts[seq] = prompts[seq] + [nxt[seq]]
+        want = reference_logits(case.ref, prompts[seq])[-1]
+        max_diff = max(max_diff, _compare(logits[i], want, f"decode seq {seq}"))
+
+    # (c) mixed: decodes of seqs 0 and 2, seq 1 continues with a 6-token chunk, seq 4 is new
+    nxt = {0: rand(1)[0], 2: rand(1)[0]}
+    chunk, new = rand(6), rand(7)
+    logits = harness.step(decodes=nxt, prefills=[(1, chunk), (4, new)])
+    for i, seq in enumerate(nxt):
+        prompts[seq] = prompts[seq] + [nxt[seq]]
+        want = reference_logits(case.ref, prompts[seq])[-1]
+        max_diff = max(max_diff, _compare(logits[i], want, f"mixed decode {seq}"))
+    want_chunk = reference_logits(case.ref, prompts[1] + chunk)[-len(chunk) :]
+    max_diff = max(max_diff, _compare(logits[2:8], want_chunk, "mixed chunked prefill"))
+    max_diff = max(max_diff, _compare(logits[8:], reference_logits(case.ref, new), "mixed new prefill"))
+    print(f"{case.name}: max |logit diff| {max_diff:.2e}")
+
+
+def test_loaded_model_description(case):
+    cfg = json.loads((case.path / "config.json").read_text())
+    lm = case.loaded
+    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
+    assert lm.num_layers == cfg.get("num_hidden_layers", cfg.get("n_layer")) == len(lm.model.attention_layers())
+    assert lm.num_kv_heads == cfg.get("num_key_value_heads", heads)
+    assert lm.head_dim == (cfg.get("head_dim") or cfg.get("hidden_size", cfg.get("n_embd")) // heads)
+    assert not lm.is_demo and lm.name == case.path.name
+    assert lm.eos_token_ids and lm.eos_token_ids[0] == cfg["eos_token_id"]
+    # a tied model has no lm_head of its own; an untied one does
+    assert (getattr(lm.model, "lm_head", None) is None) == cfg["tie_word_embeddings"]
+
+
+def test_sharded_checkpoint_was_sharded(tiny_model_factory):
+    arch, overrides, save_kwargs = CASES["llama-gqa3-hd48-llama3-bias-sharded"]
+    path = tiny_model_factory(arch, **overrides, **save_kwargs)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+
+
+def test_attention_without_cache_raises():
+    attn = Attention(4, 2, 8, 8**-0.5)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(1, dtype=torch.int64),
+        num_decode_tokens=1,
+        decode_block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        decode_context_lens=torch.ones(1, dtype=torch.int32),
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
+    )
+    with pytest.raises(RuntimeError, match="k_cache"):
+        attn(torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), meta)
+
+
+def test_registry_rejects_unknown_architecture():
+    config = SimpleNamespace(architectures=["BertForMaskedLM"])
+    with pytest.raises(ValueError, match="BertForMaskedLM") as info:
+        get_model_class(config)
+    for name in MODEL_REGISTRY:
+        assert name in str(info.value)
+    with pytest.raises(ValueError, match="supported"):
+        get_model_class(SimpleNamespace(architectures=None))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 100000.0, "factor": 4.0},
+        LLAMA3_ROPE,
+        {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 512},
+        {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 256,
+         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16},
+    ],
+    ids=lambda p: p["rope_type"],
+)
+def test_rope_matches_transformers(params):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=2048,
+                         rope_parameters=dict(params))
+    want_scale = 1.0
+    if params["rope_type"] == "default":
+        want = 1.0 / (params["rope_theta"] ** (torch.arange(0, 64, 2).float() / 64))
+    else:
+        want, want_scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    got, scale = rope_inv_freq(rope_parameters(config), 64, config.max_position_embeddings)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(want_scale)
+
+
+def test_rope_parameters_reads_both_config_layouts():
+    v4 = SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
+    v5 = SimpleNamespace(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
+    bare = SimpleNamespace(rope_theta=1234.0, rope_scaling=None)
+    assert rope_parameters(v4) == rope_parameters(v5) == {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+    assert rope_parameters(bare) == {"rope_type": "default", "rope_theta": 1234.0}
+    with pytest.raises(ValueError, match="dynamic"):
+        rope_inv_freq({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, 64, 128)
