@@ -257,3 +257,26 @@ def test_transformers_tokenizer_wrapper():
         expected = text[: text.find("🚀")] if "🚀" in text else text
         assert "".join(deltas) == detok.text == expected
         assert not any("\ufffd" in d for d in deltas)
+
+
+class CountingTokenizer:
+    """Records how many ids each decode call gets: the per-token cost."""
+
+    def __init__(self, tok):
+        self.tok, self.sizes = tok, []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.sizes.append(len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_per_token_work_stays_bounded(tok):
+    counting = CountingTokenizer(tok)
+    ids = tok.encode(" ".join(TEXTS * 20)).ids
+    assert len(ids) > 500
+    prompt = tok.encode("a long prompt " * 50).ids
+    detok = IncrementalDetokenizer(counting, prompt, stop=["never there"])
+    deltas = [detok.append(i) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+    assert max(counting.sizes) <= 12  # a few tokens of context + the new ones, however long the output
+    assert len(detok._ids) <= 128  # old ids are dropped too

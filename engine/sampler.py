@@ -1,0 +1,177 @@
+"""Sampler: next tokens from one step's logits, vectorised over the batch with per-row parameters.
+
+Order (as in HF `generate` and vLLM): repetition penalty, greedy argmax, temperature, top-k and top-p
+(one shared sort), min-p, then an exponential-race draw. Each stage runs only when some row needs
+it, so an all-greedy batch is a single argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.sequence import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def make_generator(seed: int | None, index: int, device: torch.device | str) -> torch.Generator | None:
+    """The random stream of sample `index` of a request seeded with `seed` (None when unseeded).
+
+    Hashing (seed, index) gives the n samples of one request distinct but reproducible streams.
+    """
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ index))
+    return g
+
+
+@dataclass
+class SamplingTensors:
+    """One step's per-row sampling parameters as [B] tensors, plus flags to skip unused stages."""
+
+    temperatures: Tensor  # [B] float32; 1.0 on greedy rows (they take the argmax instead)
+    top_ks: Tensor  # [B] int64; 0 = off
+    top_ps: Tensor  # [B] float32; 1.0 = off
+    min_ps: Tensor  # [B] float32; 0.0 = off
+    repetition_penalties: Tensor  # [B] float32; 1.0 = off
+    greedy: Tensor  # [B] bool
+    generators: list[torch.Generator | None]  # per row; None draws from the default generator
+    all_greedy: bool
+    any_greedy: bool
+    do_top_k: bool
+    do_top_p: bool
+    do_min_p: bool
+    do_penalties: bool
+    any_unseeded: bool  # some sampled row has no generator
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        if len(generators) != len(params):
+            raise ValueError(f"{len(params)} rows of params but {len(generators)} generators")
+        greedy = [p.greedy for p in params]
+        # Greedy rows get neutral values so they never switch a filtering stage on.
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_ks = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        penalties = [p.repetition_penalty for p in params]  # applies to greedy rows too (as in HF)
+        # One host->device copy for all float parameters.
+        floats = torch.tensor([temps, top_ps, min_ps, penalties], dtype=torch.float32).to(device)
+        return cls(
+            temperatures=floats[0],
+            top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device),
+            top_ps=floats[1],
+            min_ps=floats[2],
+            repetition_penalties=floats[3],
+            greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            generators=[None if g else gen for g, gen in zip(greedy, generators)],
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            do_top_k=any(k > 0 for k in top_ks),
+            do_top_p=any(p < 1.0 for p in top_ps),
+            do_min_p=any(p > 0.0 for p in min_ps),
+            do_penalties=any(p != 1.0 for p in penalties),
+            any_unseeded=any(not g and gen is None for g, gen in zip(greedy, generators)),
+        )
+
+
+def apply_repetition_penalty(logits: Tensor, seen_token_ids: list[list[int]], penalties: Tensor) -> Tensor:
+    """HF semantics: a seen token's logit is divided by p if positive, multiplied by p otherwise.
+
+    Vectorised with a [B, S] index tensor. Each row is padded with its own first token (so padding
+    writes the same value as the real entry), and rows with nothing seen get penalty 1.
+    """
+    if len(seen_token_ids) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits but {len(seen_token_ids)} seen lists")
+    width = max((len(ids) for ids in seen_token_ids), default=0)
+    if width == 0:
+        return logits
+    padded = [ids + [ids[0]] * (width - len(ids)) if ids else [0] * width for ids in seen_token_ids]
+    index = torch.tensor(padded, dtype=torch.int64).to(logits.device)
+    empty = torch.tensor([not ids for ids in seen_token_ids]).to(logits.device)
+    p = torch.where(empty, torch.ones_like(penalties), penalties)[:, None]
+    seen = logits.gather(1, index)
+    seen = torch.where(seen > 0, seen / p, seen * p)
+    return logits.scatter(1, index, seen)
+
+
+def apply_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and nucleus; one descending sort serves both.
+
+    top_ks: [B] int64, 0 = off. top_ps: [B] float, 1 = off. Either may be None (stage skipped).
+    The nucleus is the smallest set of top tokens whose probability reaches p; it is never empty.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_ks is not None:
+        k = torch.where(top_ks > 0, top_ks, vocab).clamp(max=vocab)
+        ranks = torch.arange(vocab, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    if top_ps is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
+        drop = (before >= top_ps[:, None]) & (top_ps < 1.0)[:, None]  # p = 1 rows: no float drift
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: Tensor, min_ps: Tensor) -> Tensor:
+    """Zero tokens whose probability is below min_p times the row's top probability (unnormalised)."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+class Sampler:
+    def __call__(self, logits: Tensor, st: SamplingTensors, seen_token_ids: list[list[int]] | None = None) -> Tensor:
+        """Next token per row: [B] int64. seen_token_ids (prompt + output, per row) is needed only
+        when some row has a repetition penalty."""
+        if st.do_penalties:
+            if seen_token_ids is None:
+                raise ValueError("repetition_penalty needs seen_token_ids")
+            logits = apply_repetition_penalty(logits.float(), seen_token_ids, st.repetition_penalties)
+        if st.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy_tokens = logits.argmax(dim=-1) if st.any_greedy else None
+
+        logits = logits.float() / st.temperatures[:, None]  # out of place: caller's logits stay intact
+        if st.do_top_k or st.do_top_p:
+            logits = apply_top_k_top_p(logits, st.top_ks if st.do_top_k else None, st.top_ps if st.do_top_p else None)
+        probs = logits.softmax(dim=-1)
+        if st.do_min_p:
+            probs = apply_min_p(probs, st.min_ps)
+        tokens = self._draw(probs, st.generators, st.any_unseeded)
+        if greedy_tokens is not None:
+            tokens = torch.where(st.greedy, greedy_tokens, tokens)
+        return tokens
+
+    @staticmethod
+    def _draw(probs: Tensor, generators: list[torch.Generator | None], any_unseeded: bool) -> Tensor:
+        """Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), picks i with probability p_i (unnormalised
+        p is fine). Seeded rows draw their noise from their own generator, so their tokens do not
+        depend on the rest of the batch; the others share one call on the default generator."""
+        noise = torch.empty_like(probs)
+        if any_unseeded:
+            noise.exponential_()
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        # Exp(1) can round to 0; clamping keeps p = 0 tokens at 0 instead of NaN.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,240 @@
+"""Sampler: per-row parameters in one vectorised batch, checked against straightforward references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import (
+    Sampler,
+    SamplingTensors,
+    apply_repetition_penalty,
+    apply_top_k_top_p,
+    make_generator,
+)
+from engine.sequence import SamplingParams
+
+sampler = Sampler()
+# CUDA generators and kernels differ from the CPU ones, so check there too when a GPU is present.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def sample(logits, params, generators=None, seen=None):
+    generators = generators if generators is not None else [None] * len(params)
+    st = SamplingTensors.build(params, generators, logits.device)
+    return sampler(logits, st, seen)
+
+
+def test_greedy_is_argmax_and_fast_path_leaves_logits_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    before = logits.clone()
+    st = SamplingTensors.build([SamplingParams()] * 6, [None] * 6, "cpu")
+    assert st.all_greedy and not (st.do_top_k or st.do_top_p or st.do_min_p or st.do_penalties)
+    out = sampler(logits, st)
+    assert out.dtype == torch.int64 and out.shape == (6,)
+    assert torch.equal(out, logits.argmax(-1))
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("temperature", [0.05, 1.0, 3.0, 100.0])
+def test_top_k_1_is_greedy_at_any_temperature(temperature):
+    torch.manual_seed(1)
+    logits = torch.randn(8, 100)
+    params = [SamplingParams(temperature=temperature, top_k=1)] * 8
+    for _ in range(5):
+        assert torch.equal(sample(logits, params), logits.argmax(-1))
+
+
+def test_tiny_top_p_keeps_only_the_top_token():
+    torch.manual_seed(2)
+    logits = torch.randn(8, 100) * 0.1  # nearly flat: without the filter draws would vary a lot
+    params = [SamplingParams(temperature=1.0, top_p=1e-6)] * 8
+    for _ in range(5):
+        assert torch.equal(sample(logits, params), logits.argmax(-1))
+
+
+def reference_top_k_top_p(row: list[float], k: int, p: float) -> set[int]:
+    """Tokens kept for one row: the k best, then the smallest best-first set with mass >= p."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    if k:
+        order = order[:k]
+    m = max(row[i] for i in order)
+    weights = [math.exp(row[i] - m) for i in order]
+    total, mass, kept = sum(weights), 0.0, []
+    for i, w in zip(order, weights):
+        kept.append(i)
+        mass += w / total
+        if mass >= p:
+            break
+    return set(kept)
+
+
+def test_top_k_top_p_masks_match_reference():
+    torch.manual_seed(3)
+    rows = 24
+    logits = torch.randn(rows, 40) * 2
+    top_ks = torch.tensor([[0, 1, 5, 17, 40, 100][i % 6] for i in range(rows)])
+    top_ps = torch.tensor([[1.0, 0.9, 0.5, 0.2][i % 4] for i in range(rows)])
+    for ks, ps in [(top_ks, None), (None, top_ps), (top_ks, top_ps)]:
+        masked = apply_top_k_top_p(logits, ks, ps)
+        for r in range(rows):
+            k = int(ks[r]) if ks is not None else 0
+            p = float(ps[r]) if ps is not None else 1.0
+            kept = set(torch.nonzero(masked[r] > float("-inf")).flatten().tolist())
+            assert kept == reference_top_k_top_p(logits[r].tolist(), k, p), (r, k, p)
+            assert torch.equal(masked[r][list(kept)], logits[r][list(kept)])  # kept logits untouched
+
+
+def test_min_p_filters_tokens_below_the_fraction_of_the_top_one():
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.06, 0.02])
+    logits = probs.log().expand(4000, -1).contiguous()
+    params = [SamplingParams(temperature=1.0, min_p=0.2)] * 4000  # threshold 0.1: tokens 0-2 survive
+    torch.manual_seed(4)
+    counts = torch.bincount(sample(logits, params), minlength=5)
+    assert counts[3] == 0 and counts[4] == 0
+    kept = probs[:3] / probs[:3].sum()
+    assert torch.allclose(counts[:3] / 4000, kept, atol=0.03)
+
+
+def reference_repetition_penalty(logits: torch.Tensor, seen: list[list[int]], penalties: list[float]):
+    out = logits.clone()
+    for r, (ids, p) in enumerate(zip(seen, penalties)):
+        for t in set(ids):
+            v = out[r, t].item()
+            out[r, t] = v / p if v > 0 else v * p
+    return out
+
+
+def test_repetition_penalty_matches_per_row_reference():
+    torch.manual_seed(5)
+    logits = torch.randn(5, 30) * 3
+    seen = [[1, 2, 2, 7, 29], [], [0, 0, 0], list(range(0, 30, 3)) + [3, 6], [5, 4]]
+    penalties = [1.3, 2.0, 0.7, 1.1, 1.0]
+    got = apply_repetition_penalty(logits, seen, torch.tensor(penalties))
+    assert torch.allclose(got, reference_repetition_penalty(logits, seen, penalties))
+    # Through the sampler: greedy rows pick the argmax of the penalised logits (HF semantics).
+    params = [SamplingParams(repetition_penalty=p) for p in penalties]
+    st = SamplingTensors.build(params, [None] * 5, "cpu")
+    assert st.all_greedy and st.do_penalties
+    expected = reference_repetition_penalty(logits, seen, penalties).argmax(-1)
+    assert torch.equal(sampler(logits, st, seen), expected)
+    with pytest.raises(ValueError):
+        sampler(logits, st, None)
+
+
+def test_repetition_penalty_steers_away_from_a_repeated_token():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    out = sample(logits, [SamplingParams(repetition_penalty=1.5)], seen=[[0]])
+    assert out.item() == 1
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# 99.99th percentile of chi-square with 5 degrees of freedom: a correct sampler fails ~1 in 10^4 seeds.
+CHI2_DF5_LIMIT = 25.7
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_sampling_matches_softmax(temperature, device):
+    base = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+    draws = 20000
+    logits = base.expand(draws, -1).contiguous().to(device)
+    target = torch.softmax(base / temperature, -1)
+    torch.manual_seed(6)
+    counts = torch.bincount(sample(logits, [SamplingParams(temperature=temperature)] * draws), minlength=6).cpu()
+    assert chi_square(counts.double(), target.double()) < CHI2_DF5_LIMIT
+    # A wrong temperature is rejected by the same test, so it has power.
+    wrong = torch.softmax(base / (temperature * 1.3), -1)
+    assert chi_square(counts.double(), wrong.double()) > CHI2_DF5_LIMIT
+
+
+def test_seeded_rows_sample_the_same_distribution():
+    base = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+    draws = 3000
+    logits = base.expand(draws, -1).contiguous()
+    gens = [make_generator(1234, i, "cpu") for i in range(draws)]
+    counts = torch.bincount(sample(logits, [SamplingParams(temperature=1.0)] * draws, gens), minlength=6)
+    assert chi_square(counts.double(), torch.softmax(base, -1).double()) < CHI2_DF5_LIMIT
+
+
+def run_steps(rows: list[tuple[SamplingParams, torch.Generator | None]], logits_per_step, steps=12):
+    params = [p for p, _ in rows]
+    gens = [g for _, g in rows]
+    return torch.stack([sample(logits_per_step(s, len(rows)), params, gens) for s in range(steps)], 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_seed_same_tokens_whatever_the_batch(device):
+    vocab = 1000
+    step_logits = [torch.randn(vocab, generator=torch.Generator().manual_seed(s)) for s in range(12)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
+
+    def logits_for(position):
+        # The seeded row's logits at `position`, random logits elsewhere.
+        def build(step, batch):
+            out = torch.randn(batch, vocab, device=device)
+            out[position] = step_logits[step]
+            return out
+
+        return build
+
+    alone = run_steps([(seeded, make_generator(7, 0, device))], logits_for(0))[0]
+    torch.manual_seed(99)  # the default generator's state must not matter either
+    batch = [
+        (SamplingParams(temperature=0.8), None),
+        (SamplingParams(), None),  # greedy
+        (seeded, make_generator(7, 0, device)),
+        (SamplingParams(temperature=1.0, seed=8), make_generator(8, 0, device)),
+    ]
+    mixed = run_steps(batch, logits_for(2))[2]
+    assert torch.equal(alone, mixed)
+    assert len(set(alone.tolist())) > 3  # really sampled, not a constant
+
+
+def test_sample_index_gives_a_distinct_deterministic_stream():
+    assert make_generator(None, 0, "cpu") is None
+    vocab = 1000
+    torch.manual_seed(10)
+    fixed = torch.randn(vocab)
+    rows = [(SamplingParams(temperature=1.0, seed=3), make_generator(3, i, "cpu")) for i in (0, 1, 0)]
+    out = run_steps(rows, lambda step, batch: fixed.expand(batch, -1).contiguous())
+    assert torch.equal(out[0], out[2])
+    assert not torch.equal(out[0], out[1])
+    other_seed = run_steps([(rows[0][0], make_generator(4, 0, "cpu"))], lambda s, b: fixed[None])[0]
+    assert not torch.equal(out[0], other_seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_greedy_and_sampled_rows(device):
+    torch.manual_seed(11)
+    logits = torch.randn(6, 200, device=device) * 0.3  # flat enough that sampled rows rarely hit the argmax
+    params = [SamplingParams(temperature=0.0 if r % 2 == 0 else 1.0) for r in range(6)]
+    gens = [make_generator(5, r, device) if r == 3 else None for r in range(6)]
+    outs = torch.stack([sample(logits, params, gens) for _ in range(10)])
+    greedy = logits.argmax(-1)
+    for r in range(6):
+        if r % 2 == 0:
+            assert (outs[:, r] == greedy[r]).all()
+        else:
+            assert len(set(outs[:, r].tolist())) > 3
+
+
+def test_build_flags_ignore_greedy_rows_and_only_mark_needed_stages():
+    params = [
+        SamplingParams(top_k=5, top_p=0.5, min_p=0.1),  # greedy: its filters are irrelevant
+        SamplingParams(temperature=0.7, seed=1),
+    ]
+    st = SamplingTensors.build(params, [make_generator(0, 0, "cpu"), make_generator(1, 0, "cpu")], "cpu")
+    assert not (st.do_top_k or st.do_top_p or st.do_min_p or st.do_penalties)
+    assert st.any_greedy and not st.all_greedy and not st.any_unseeded
+    assert st.generators[0] is None and st.generators[1] is not None
+    assert st.temperatures.tolist() == pytest.approx([1.0, 0.7])
+    st = SamplingTensors.build([SamplingParams(temperature=1.0, top_k=3)], [None], "cpu")
+    assert st.do_top_k and not st.do_top_p and st.any_unseeded
