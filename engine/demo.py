@@ -225,7 +225,10 @@ def init_random_weights(model: nn.Module, seed: int = SEED, std: float = 0.02) -
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
         elif isinstance(module, nn.Linear | nn.Embedding):
-            w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            module.weight.copy_(w)
+            weight = module.weight
+            if weight.device.type == "cpu" and weight.dtype == torch.float32:
+                weight.normal_(0.0, std, generator=gen)  # in place: no temporary for 135M values
+            else:
+                weight.copy_(torch.empty(weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()

@@ -119,11 +119,11 @@ def build_model(config: Any, dtype: torch.dtype, device: torch.device) -> nn.Mod
     """The model for `config.architectures[0]` with uninitialised parameters on `device`.
 
     Built on the meta device first, so no memory is spent on (or time on initialising) weights
-    that the checkpoint overwrites."""
+    that the checkpoint overwrites. Inference only: parameters do not require grad."""
     cls = get_model_class(config)
     with torch.device("meta"):
         model = cls(config)
-    return model.to(dtype).to_empty(device=device)
+    return model.to(dtype).to_empty(device=device).requires_grad_(False)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -182,9 +182,15 @@ def load_weights(model: nn.Module, path: Path) -> None:
     missing = []
     for param_name in params:
         module = _merged_module(model, param_name)
-        expected = set(range(len(module.output_sizes))) if module is not None else {None}
-        if not expected <= loaded.get(param_name, set()):
-            missing.append(param_name)
+        if module is None:
+            if param_name not in loaded:
+                missing.append(param_name)
+            continue
+        # name the checkpoint tensors (q_proj, up_proj, ...) a merged parameter still lacks
+        parts = param_name.split(".")
+        for part, (merged, shard) in getattr(model, "packed_modules", {}).items():
+            if merged == parts[-2] and shard not in loaded.get(param_name, set()):
+                missing.append(".".join([*parts[:-2], part, parts[-1]]))
     if missing:
         raise WeightLoadError(
             f"checkpoint {path} lacks {len(missing)} tensor(s) that {arch} needs: {', '.join(missing[:8])}"

@@ -151,7 +151,8 @@ def _yarn_inv_freq(
 
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves). cos/sin for every position up to `max_position` are computed
-    once (float32, then cast to the activations' dtype) and indexed by the flat positions."""
+    once (float32, then cast to the activations' dtype); a step indexes them by its flat positions
+    once and every layer reuses the result."""
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -160,24 +161,20 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq, self.attention_scale = rope_inv_freq(params, head_dim, max_position)
         self._cache: tuple[Tensor, Tensor] | None = None  # cos, sin: [max_position, head_dim // 2]
 
-    def _cos_sin(self, like: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin: [T, 1, head_dim // 2] for the positions, broadcastable over heads."""
         cache = self._cache
-        if cache is None or cache[0].device != like.device or cache[0].dtype != like.dtype:
-            positions = torch.arange(self.max_position, dtype=torch.float32, device=like.device)
-            freqs = positions[:, None] * self.inv_freq.to(like.device)[None, :]
-            cos = (freqs.cos() * self.attention_scale).to(like.dtype)
-            sin = (freqs.sin() * self.attention_scale).to(like.dtype)
+        if cache is None or cache[0].device != positions.device or cache[0].dtype != dtype:
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in any mode
+                pos = torch.arange(self.max_position, dtype=torch.float32, device=positions.device)
+                freqs = pos[:, None] * self.inv_freq.to(positions.device)[None, :]
+                cos = (freqs.cos() * self.attention_scale).to(dtype)
+                sin = (freqs.sin() * self.attention_scale).to(dtype)
             cache = self._cache = (cos, sin)
-        return cache
-
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies."""
-        cos, sin = self._cos_sin(q)
-        cos = cos[positions].unsqueeze(1)
-        sin = sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return cache[0][positions].unsqueeze(1), cache[1][positions].unsqueeze(1)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [T, H, D] by cos/sin [T, 1, D // 2] (returns a new tensor)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.attention import Attention, AttentionMetadata
-from engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, get_activation, rope_parameters
+from engine.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    get_activation,
+    rope_parameters,
+)
 
 
 class LlamaAttentionBlock(nn.Module):
@@ -29,17 +36,16 @@ class LlamaAttentionBlock(nn.Module):
         # Qwen3 normalises every head of q and k before RoPE
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_parameters(config))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata) -> Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -66,8 +72,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,11 +85,14 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)  # shared by all layers
         for layer in self.layers:
-            x = layer(x, positions, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
 
