@@ -53,6 +53,7 @@ def load_model(
 ) -> LoadedModel:
     """Load `model`: "demo" / "demo-135m", a local folder, or a hub id already in (or reachable
     for) the Hugging Face cache. Raises ModelNotFoundError when none of these applies."""
+    model = str(model)  # a pathlib.Path works too
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     if model in demo.DEMO_MODELS:

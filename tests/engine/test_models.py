@@ -9,6 +9,7 @@ forward over the same tokens (fp32).
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -85,15 +86,23 @@ def case(request, tiny_model_factory):
 def _compare(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
     assert got.shape == want.shape, what
     assert got.dtype == torch.float32
-    diff = (got - want).abs().max().item()
+    diff = (got.cpu() - want).abs().max().item()
     assert diff < ATOL, f"{what}: max |logit diff| {diff:.2e}"
     return diff
 
 
-def test_matches_transformers(case):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_matches_transformers(case, backend):
+    loaded = case.loaded
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            loaded = load_model(str(case.path), device="cuda")
+        elif os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels need CUDA or TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(1)
     rand = lambda n: torch.randint(0, TINY_VOCAB, (n,), generator=gen).tolist()
-    harness = PagedHarness(case.loaded, num_blocks=64, block_size=4)
+    harness = PagedHarness(loaded, num_blocks=64, block_size=4, backend=backend)
     prompts = {0: rand(5), 1: rand(17), 2: rand(1), 3: rand(9)}
     max_diff = 0.0
 
@@ -125,7 +134,7 @@ def test_matches_transformers(case):
     want_chunk = reference_logits(case.ref, prompts[1] + chunk)[-len(chunk) :]
     max_diff = max(max_diff, _compare(logits[2:8], want_chunk, "mixed chunked prefill"))
     max_diff = max(max_diff, _compare(logits[8:], reference_logits(case.ref, new), "mixed new prefill"))
-    print(f"{case.name}: max |logit diff| {max_diff:.2e}")
+    print(f"{case.name} [{backend}]: max |logit diff| {max_diff:.2e}")
 
 
 def test_loaded_model_description(case):
