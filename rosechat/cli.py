@@ -1,8 +1,13 @@
-"""Command line entry point."""
+"""Command line entry point: ``rosechat [options]`` starts the app; ``rosechat bench|info ...``."""
 
 from __future__ import annotations
 
+import argparse
+import sqlite3
 import sys
+from typing import Any
+
+from rosechat.config import BACKENDS, DTYPES, ConfigError, load_config, user_config_path
 
 
 def backend_summary() -> str:
@@ -14,13 +19,125 @@ def backend_summary() -> str:
     return f"torch {torch.__version__} | device {device} | triton {triton_status()}"
 
 
-def main(argv: list[str] | None = None) -> int:
+# flag dest -> dotted config key. Flags left out (None) do not override anything.
+FLAG_KEYS = {
+    "model": "model.name",
+    "dtype": "model.dtype",
+    "device": "model.device",
+    "backend": "model.attention_backend",
+    "block_size": "cache.block_size",
+    "kv_cache_mib": "cache.kv_cache_mib",
+    "num_blocks": "cache.num_blocks",
+    "max_num_seqs": "cache.max_num_seqs",
+    "max_batched_tokens": "cache.max_num_batched_tokens",
+    "prefix_caching": "cache.enable_prefix_caching",
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "max_tokens": "sampling.max_tokens",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "seed": "sampling.seed",
+    "system_prompt": "chat.system_prompt",
+    "alternatives": "chat.alternatives",
+    "history": "history.path",
+    "theme": "ui.theme",
+    "kv_panel": "ui.show_kv_panel",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
     from rosechat import __version__
 
-    argv = sys.argv[1:] if argv is None else argv
-    print(f"rosechat {__version__}")
-    print(backend_summary())
-    return 0
+    p = argparse.ArgumentParser(
+        prog="rosechat",
+        description="Terminal chat for local language models on a paged KV-cache engine. "
+        "Options override config.toml; see `rosechat --print-config-path`.",
+        epilog="Subcommands: `rosechat bench ...` runs the benchmarks; `rosechat info` shows the backend.",
+    )
+    p.add_argument("--version", action="version", version=f"rosechat {__version__}")
+    p.add_argument("--config", metavar="FILE", help="a TOML file overriding the user config")
+    p.add_argument("--print-config-path", action="store_true", help="print where the user config file goes")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", metavar="PATH_OR_ID", help='local folder, Hugging Face id, or "demo"')
+    m.add_argument("--dtype", choices=DTYPES)
+    m.add_argument("--device", help='"auto", "cpu", "cuda", "cuda:N"')
+    m.add_argument("--backend", choices=BACKENDS, help="paged-attention implementation")
+    c = p.add_argument_group("KV cache and scheduling")
+    c.add_argument("--block-size", type=int, metavar="N")
+    c.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache budget (0 = automatic)")
+    c.add_argument("--num-blocks", type=int, metavar="N", help="fixed KV pool size (0 = from the budget)")
+    c.add_argument("--max-num-seqs", type=int, metavar="N")
+    c.add_argument("--max-batched-tokens", type=int, metavar="N")
+    c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    s = p.add_argument_group("sampling")
+    s.add_argument("--temperature", type=float)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--max-tokens", type=int)
+    s.add_argument("--repetition-penalty", type=float)
+    s.add_argument("--seed", type=int, help="-1 = random")
+    a = p.add_argument_group("chat and app")
+    a.add_argument("--system-prompt", metavar="TEXT")
+    a.add_argument("--alternatives", type=int, metavar="N", help="replies sampled by ctrl+r")
+    a.add_argument("--history", metavar="PATH", help="SQLite file for saved conversations")
+    a.add_argument("--theme")
+    a.add_argument("--kv-panel", action=argparse.BooleanOptionalAction, default=None, help="show the KV panel")
+    return p
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    return {key: getattr(args, dest) for dest, key in FLAG_KEYS.items() if getattr(args, dest) is not None}
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        from rosechat import bench
+    except ModuleNotFoundError as e:
+        if e.name != "rosechat.bench":
+            raise
+        print("rosechat bench: the benchmark module (rosechat/bench.py) is not available", file=sys.stderr)
+        return 2
+    return int(bench.main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
+    if argv[:1] == ["info"]:
+        from rosechat import __version__
+
+        print(f"rosechat {__version__}")
+        print(backend_summary())
+        return 0
+
+    args = build_parser().parse_args(argv)
+    if args.print_config_path:
+        print(user_config_path())
+        return 0
+    try:
+        config = load_config(args.config, overrides_from(args))
+    except ConfigError as e:
+        print(f"rosechat: config error: {e}", file=sys.stderr)
+        return 2
+
+    from rosechat.history import HistoryError, HistoryStore
+
+    path = config.history_path()
+    try:
+        history = HistoryStore(path)
+    except (HistoryError, OSError, sqlite3.Error) as e:
+        print(f"rosechat: cannot open the history database {path}: {e}", file=sys.stderr)
+        return 2
+
+    from rosechat.app import RoseChatApp
+
+    try:
+        app = RoseChatApp(config, history)
+        app.run()
+    finally:
+        history.close()
+    return app.return_code or 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 import platformdirs
+from textual.theme import BUILTIN_THEMES
 
 APP_NAME = "rosechat"
 DEFAULT_CONFIG_NAME = "default_config.toml"
@@ -60,7 +61,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = dataclasses.field(metadata=_min(1))
+    block_size: int = dataclasses.field(metadata={"min": 1, "power_of_two": True})
     kv_cache_mib: int = dataclasses.field(metadata=_min(0))
     num_blocks: int = dataclasses.field(metadata=_min(0))
     max_num_seqs: int = dataclasses.field(metadata=_min(1))
@@ -91,7 +92,7 @@ class HistoryConfig:
 
 @dataclass(frozen=True)
 class UIConfig:
-    theme: str
+    theme: str = dataclasses.field(metadata={"choices": tuple(BUILTIN_THEMES)})
     show_kv_panel: bool
 
 
@@ -227,6 +228,8 @@ def _check_value(layer: _Layer, table: str, field: dataclasses.Field, expected: 
         if value < lo or (meta.get("min_exclusive") and value == lo):
             rel = ">" if meta.get("min_exclusive") else ">="
             raise layer.error(table, field.name, f"must be {rel} {lo}, got {value!r}")
+    if meta.get("power_of_two") and value & (value - 1):
+        raise layer.error(table, field.name, f"must be a power of two, got {value!r}")
     if "max" in meta and value > meta["max"]:
         raise layer.error(table, field.name, f"must be <= {meta['max']}, got {value!r}")
     return value

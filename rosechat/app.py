@@ -1,0 +1,569 @@
+"""The rosechat Textual app: chat tabs over one in-process engine, and the KV-cache panel.
+
+Threads: the model loads in a thread worker; the engine then runs on its own ``EngineThread``,
+whose callback only appends to an ``EventBuffer``. A 30 Hz timer posts one ``EngineEvents``
+message when something is pending, and its handler applies the coalesced batch on the UI thread
+(so engine events are serialised with key presses and actions like any other message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.markup import escape
+from textual.message import Message
+from textual.widgets import Footer, Header, Label, LoadingIndicator, TabbedContent
+
+from rosechat.bridge import EventBuffer
+from rosechat.commands import RoseChatCommands
+from rosechat.config import Config
+from rosechat.history import HistoryStore
+from rosechat.screens import (
+    ConversationDeleted,
+    ConversationRenamed,
+    ConversationsScreen,
+    SystemPromptScreen,
+    TextPromptScreen,
+)
+from rosechat.widgets.chat import ChatInput, ChatMessage, ChatTab, MessageView
+from rosechat.widgets.kv_panel import PALETTE, KVPanel, OwnerStyle
+
+if TYPE_CHECKING:
+    from engine import EngineThread, LLMEngine
+    from engine.events import CacheSnapshot, EngineError, Finished
+
+DRAIN_HZ = 30
+NEW_CHAT = "New chat"
+
+
+def _title_from(text: str, limit: int = 40) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+class RoseChatApp(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "rosechat"
+    COMMANDS = App.COMMANDS | {RoseChatCommands}
+
+    BINDINGS = [
+        # priority: the input box binds ctrl+w / ctrl+f / ctrl+k to editing keys.
+        Binding("ctrl+n", "new_tab", "New tab", priority=True),
+        Binding("ctrl+w", "close_tab", "Close tab", priority=True),
+        Binding("ctrl+f", "fork", "Fork", priority=True),
+        Binding("ctrl+pagedown", "next_tab", "Next tab", show=False, priority=True),
+        Binding("ctrl+pageup", "previous_tab", "Prev tab", show=False, priority=True),
+        *[Binding(f"alt+{i}", f"goto_tab({i})", f"Tab {i}", show=False) for i in range(1, 10)],
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+r", "regenerate", "Alternatives", priority=True),
+        Binding("alt+left", "cycle(-1)", "Prev alt", show=False),
+        Binding("alt+right", "cycle(1)", "Next alt", show=False),
+        Binding("ctrl+k", "toggle_kv", "KV cache", priority=True),
+        Binding("f2", "toggle_kv", "KV cache", show=False),
+        Binding("f3", "system_prompt", "System prompt"),
+        Binding("ctrl+o", "conversations", "Conversations", priority=True),
+        Binding("f4", "conversations", "Conversations", show=False),
+    ]
+
+    class EngineEvents(Message):
+        """Something is waiting in the event buffer."""
+
+    def __init__(
+        self,
+        config: Config,
+        history: HistoryStore,
+        *,
+        export_dir: Path | None = None,
+        engine_factory: Callable[[str], LLMEngine] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.history = history
+        self.export_dir = export_dir  # None: the current directory at export time
+        self._engine_factory = engine_factory  # tests may pass one; default LLMEngine.from_pretrained
+        self.llm: LLMEngine | None = None
+        self.engine: EngineThread | None = None
+        self.events = EventBuffer()
+        self.requests: dict[str, ChatTab] = {}  # request id -> the tab it replies in
+        self.last_snapshot: CacheSnapshot | None = None
+        self.model_notice: str | None = None  # why the demo model runs instead of the configured one
+        self._colors = 0
+        self._drain_posted = False
+
+    # ------------------------------------------------------------------ layout and start-up
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Vertical(id="loading"):
+            yield LoadingIndicator()
+            yield Label(f"Loading {escape(self.config.model.name)}…", id="loading-label")
+        yield TabbedContent(id="tabs")
+        panel = KVPanel(id="kv")
+        panel.display = self.config.ui.show_kv_panel
+        yield panel
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self.theme = self.config.ui.theme
+        self.sub_title = f"loading {self.config.model.name}…"
+        await self.new_tab()
+        self.load_engine()
+
+    @property
+    def tabbed(self) -> TabbedContent:
+        return self.query_one("#tabs", TabbedContent)
+
+    @property
+    def kv_panel(self) -> KVPanel:
+        return self.query_one("#kv", KVPanel)
+
+    @property
+    def tabs(self) -> list[ChatTab]:
+        return list(self.tabbed.query(ChatTab))
+
+    @property
+    def active_tab(self) -> ChatTab | None:
+        pane = self.tabbed.active_pane
+        return pane if isinstance(pane, ChatTab) else None
+
+    @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
+    def load_engine(self) -> None:
+        """Thread worker: loading weights takes seconds to minutes."""
+        from engine import LLMEngine, ModelNotFoundError
+
+        kwargs = self.config.engine_kwargs()
+        factory = self._engine_factory or (lambda name: LLMEngine.from_pretrained(name, **kwargs))
+        name = self.config.model.name
+        notice = None
+        try:
+            try:
+                llm = factory(name)
+            except ModelNotFoundError as e:
+                notice = f"{e}\nRunning the built-in demo model (random weights) instead."
+                self._from_thread(self._set_loading_label, f"{name} not found; loading the demo model…")
+                llm = factory("demo")
+        except Exception as e:  # bad device, broken checkpoint...: say so, keep the app up
+            self._from_thread(self._engine_failed, f"{type(e).__name__}: {e}")
+            return
+        if not self._from_thread(self._engine_loaded, llm, notice):
+            return  # the app closed while loading
+
+    def _from_thread(self, fn: Callable[..., Any], *args: Any) -> bool:
+        try:
+            self.call_from_thread(fn, *args)
+            return True
+        except RuntimeError:  # the app is no longer running
+            return False
+
+    def _set_loading_label(self, text: str) -> None:
+        self.query_one("#loading-label", Label).update(escape(text))
+
+    def _engine_failed(self, message: str) -> None:
+        self.query_one(LoadingIndicator).display = False
+        self._set_loading_label(f"Could not load the model: {message}")
+        self.sub_title = "no model"
+        self.notify(message, title="Model failed to load", severity="error", timeout=30)
+
+    def _engine_loaded(self, llm: LLMEngine, notice: str | None) -> None:
+        from engine import EngineThread
+
+        self.llm = llm
+        self.model_notice = notice
+        self.engine = EngineThread(llm, self.events.push)
+        self.engine.start()
+        info = llm.info
+        self.sub_title = " · ".join(
+            [info.name, info.device, info.dtype, info.backend] + (["DEMO"] if info.is_demo else [])
+        )
+        self.query_one("#loading").display = False
+        for tab in self.tabs:
+            if tab.engine_cid is None:
+                tab.engine_cid = self.engine.new_conversation()
+        self.set_interval(1 / DRAIN_HZ, self._poll_events, name="engine-events")
+        if notice:
+            self.notify(notice, title="Model not found", severity="warning", timeout=15)
+        if self.kv_panel.display:
+            self.engine.request_snapshot()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    # ------------------------------------------------------------------ engine events
+    def _poll_events(self) -> None:
+        if not self._drain_posted and self.events.pending:
+            self._drain_posted = True
+            self.post_message(self.EngineEvents())
+
+    async def on_rose_chat_app_engine_events(self, _: EngineEvents) -> None:
+        from engine.events import Finished
+
+        self._drain_posted = False
+        batch = self.events.drain()
+        for (rid, index), text in batch.deltas.items():
+            tab = self.requests.get(rid)
+            if tab is not None and tab.reply is not None:
+                await tab.reply.add_delta(index, text)
+        for end in batch.ends:
+            if isinstance(end, Finished):
+                await self._reply_finished(end)
+            else:
+                self._engine_error(end)
+        if batch.snapshot is not None:
+            self.last_snapshot = batch.snapshot
+            self.kv_panel.show(batch.snapshot, self.owner_styles())
+
+    def owner_styles(self) -> dict[str, OwnerStyle]:
+        return {t.engine_cid: OwnerStyle(t.chat_title, t.color) for t in self.tabs if t.engine_cid}
+
+    async def _reply_finished(self, ev: Finished) -> None:
+        tab = self.requests.pop(ev.request_id, None)
+        if tab is None or tab.reply is None:
+            return  # its tab was closed
+        view = tab.reply
+        await view.set_texts(ev.texts)
+        message = tab.reply_replaces or ChatMessage("assistant", "")
+        message.content, message.view = view.text, view
+        tab.messages.append(message)
+        tab.request_id, tab.reply, tab.reply_replaces = None, None, None
+        tab.last_finished = ev
+        tokens, ttft, tps = ev.usage.completion_tokens, ev.ttft_s, ev.tokens_per_s
+        reasons = set(ev.finish_reasons)
+        stats = [f"{tokens} tokens", f"TTFT {ttft:.2f} s", f"{tps:.1f} tok/s"]
+        if reasons == {"abort"}:
+            stats.append("stopped")
+        elif "length" in reasons:
+            stats.append("max tokens reached")
+        view.stats_line = " · ".join(stats)
+        self._refresh_footer(view)
+        if message.history_id is None:
+            message.history_id = self._save(tab, message, tokens=tokens, ttft_s=ttft, tokens_per_s=tps)
+        else:
+            self._db(self.history.update_message, message.history_id, message.content,
+                     tokens=tokens, ttft_s=ttft, tokens_per_s=tps)
+
+    def _refresh_footer(self, view: MessageView) -> None:
+        line = view.stats_line
+        if len(view.texts) > 1:
+            line += f" · alternative {view.shown + 1}/{len(view.texts)} ([ ] or alt+←/→)"
+        view.set_footer(line)
+
+    def _engine_error(self, ev: EngineError) -> None:
+        tab = self.requests.pop(ev.request_id, None) if ev.request_id else None
+        if tab is not None and tab.reply is not None:
+            tab.reply.stats_line = f"error: {ev.message}"
+            tab.reply.set_footer(tab.reply.stats_line)
+            tab.reply.add_class("-error")
+            if tab.reply_replaces is not None:  # the reply being replaced stays the last message
+                tab.messages.append(tab.reply_replaces)
+            tab.request_id, tab.reply, tab.reply_replaces = None, None, None
+        self.notify(ev.message, title="Engine error", severity="error", timeout=10)
+
+    # ------------------------------------------------------------------ history (short transactions)
+    def _db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (sqlite3.Error, KeyError, OSError) as e:
+            self.notify(f"{type(e).__name__}: {e}", title="History not saved", severity="error")
+            return None
+
+    def _save(self, tab: ChatTab, message: ChatMessage, **stats: Any) -> int | None:
+        """Save a completed message, creating the saved conversation on its first message."""
+        if tab.history_id is None:
+            model = self.llm.info.name if self.llm is not None else self.config.model.name
+            tab.history_id = self._db(self.history.create_conversation, tab.chat_title, tab.system_prompt, model)
+            if tab.history_id is None:
+                return None
+        return self._db(self.history.add_message, tab.history_id, message.role, message.content, **stats)
+
+    # ------------------------------------------------------------------ tabs
+    def _label(self, tab: ChatTab) -> str:
+        return f"[{tab.color}]●[/] {escape(_title_from(tab.chat_title, 24))}"
+
+    def _relabel(self, tab: ChatTab) -> None:
+        self.tabbed.get_tab(tab).label = self._label(tab)
+
+    async def new_tab(
+        self, title: str = NEW_CHAT, system_prompt: str | None = None, *, fork_of: ChatTab | None = None
+    ) -> ChatTab:
+        color = PALETTE[self._colors % len(PALETTE)]
+        self._colors += 1
+        prompt = self.config.chat.system_prompt if system_prompt is None else system_prompt
+        tab = ChatTab(title, color=color, system_prompt=prompt)
+        await self.tabbed.add_pane(tab)
+        self._relabel(tab)
+        if self.engine is not None:
+            if fork_of is not None and fork_of.engine_cid is not None:
+                tab.engine_cid = self.engine.fork_conversation(fork_of.engine_cid)
+            else:
+                tab.engine_cid = self.engine.new_conversation()
+        self.tabbed.active = tab.id or ""
+        tab.update_system_line()
+        tab.input.focus()
+        return tab
+
+    async def action_new_tab(self) -> None:
+        await self.new_tab()
+
+    async def action_close_tab(self) -> None:
+        tab = self.active_tab
+        if tab is None:
+            return
+        if self.engine is not None:
+            if tab.request_id is not None:
+                self.engine.abort(tab.request_id)
+            if tab.engine_cid is not None:
+                self.engine.drop_conversation(tab.engine_cid)  # frees its blocks
+        if tab.request_id is not None:
+            self.requests.pop(tab.request_id, None)
+        await self.tabbed.remove_pane(tab.id or "")
+        if not self.tabs:
+            await self.new_tab()
+        elif (active := self.active_tab) is not None:
+            active.input.focus()
+
+    def _switch(self, step: int) -> None:
+        tabs, active = self.tabs, self.active_tab
+        if tabs and active is not None:
+            self.tabbed.active = tabs[(tabs.index(active) + step) % len(tabs)].id or ""
+
+    def action_next_tab(self) -> None:
+        self._switch(1)
+
+    def action_previous_tab(self) -> None:
+        self._switch(-1)
+
+    def action_goto_tab(self, number: int) -> None:
+        tabs = self.tabs
+        if 1 <= number <= len(tabs):
+            self.tabbed.active = tabs[number - 1].id or ""
+
+    @on(TabbedContent.TabActivated)
+    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        # Focus the tab that is active now: this message may be stale (a later switch, or a closed pane),
+        # and focusing a stale pane's input would switch back to it.
+        active = self.active_tab
+        if active is not None and event.pane is active:
+            for chat_input in active.query(ChatInput):
+                chat_input.focus()
+
+    async def action_fork(self) -> None:
+        src = self.active_tab
+        if src is None:
+            return
+        if src.generating:
+            self.notify("Wait for the reply to finish (or stop it with escape) before forking.")
+            return
+        tab = await self.new_tab(f"{src.chat_title} (fork)", src.system_prompt, fork_of=src)
+        for m in src.messages:
+            copy = ChatMessage(m.role, m.content)
+            tab.messages.append(copy)
+            await tab.add_message(copy)
+            if src.history_id is not None:  # a saved conversation forks into a saved one
+                copy.history_id = self._save(tab, copy)
+        self.notify(f"Forked {src.chat_title!r}: the new tab shares its KV blocks.")
+
+    # ------------------------------------------------------------------ chatting
+    @on(ChatInput.Submitted)
+    async def _submitted(self, event: ChatInput.Submitted) -> None:
+        event.stop()
+        tab = event.input.query_ancestor(ChatTab)  # its own tab: not necessarily the active one
+        text = event.value.strip()
+        if tab is None or not text:
+            return
+        if not self.ready:
+            self.notify("The model is still loading…", severity="warning")
+            return
+        if tab.generating:
+            self.notify("This tab is still replying (escape stops it).", severity="warning")
+            return
+        event.input.value = ""
+        await self.send(tab, text)
+
+    async def send(self, tab: ChatTab, text: str) -> str:
+        """Add a user message to ``tab`` and start the reply; returns the request id."""
+        message = ChatMessage("user", text)
+        tab.messages.append(message)
+        await tab.add_message(message)
+        if tab.chat_title == NEW_CHAT:
+            tab.chat_title = _title_from(text)
+            self._relabel(tab)
+        message.history_id = self._save(tab, message)
+        return await self._start_reply(tab, n=1)
+
+    async def _start_reply(self, tab: ChatTab, n: int, replaces: ChatMessage | None = None) -> str:
+        from engine import SamplingParams
+
+        assert self.engine is not None and tab.engine_cid is not None
+        if replaces is not None and replaces.view is not None:
+            view = replaces.view
+            await view.reset(n)
+        else:
+            view = await tab.add_message(ChatMessage("assistant", ""), n=n)
+        params = SamplingParams(**self.config.sampling_kwargs(n))
+        rid = self.engine.submit_turn(tab.engine_cid, tab.chat_messages(), params)
+        # Registered before the next drain can run (same thread), so no delta is missed.
+        tab.request_id, tab.reply, tab.reply_replaces = rid, view, replaces
+        self.requests[rid] = tab
+        view.stats_line = ""
+        view.set_footer("generating… (escape stops)")
+        tab.log_view.anchor()
+        return rid
+
+    def action_stop(self) -> None:
+        tab = self.active_tab
+        if tab is not None and tab.request_id is not None and self.engine is not None:
+            self.engine.abort(tab.request_id)
+            if tab.reply is not None:
+                tab.reply.set_footer("stopping…")
+
+    async def action_regenerate(self) -> None:
+        tab = self.active_tab
+        if tab is None or not self.ready:
+            return
+        if tab.generating:
+            self.notify("This tab is still replying (escape stops it).", severity="warning")
+            return
+        last = tab.last_assistant()
+        if last is None:
+            self.notify("No reply to regenerate yet.")
+            return
+        tab.messages.pop()  # the prompt is everything before it
+        await self._start_reply(tab, n=self.config.chat.alternatives, replaces=last)
+
+    async def action_cycle(self, step: int) -> None:
+        tab = self.active_tab
+        if tab is None:
+            return
+        message = None if tab.generating else tab.last_assistant()
+        view = tab.reply if tab.generating else (message.view if message else None)
+        if view is None or len(view.texts) < 2:
+            self.notify("No alternatives here: ctrl+r samples some.", timeout=3)
+            return
+        await view.show_alternative(view.shown + step)
+        if view.stats_line:
+            self._refresh_footer(view)
+        else:
+            view.set_footer(f"generating… alternative {view.shown + 1}/{len(view.texts)}")
+        if message is not None:  # the shown alternative is the one the conversation continues with
+            message.content = view.text
+            if message.history_id is not None:
+                self._db(self.history.update_message, message.history_id, message.content)
+
+    @on(ChatInput.CycleAlternative)
+    async def _cycle_from_input(self, event: ChatInput.CycleAlternative) -> None:
+        event.stop()
+        await self.action_cycle(event.step)
+
+    # ------------------------------------------------------------------ panel, prompts, history
+    def action_toggle_kv(self) -> None:
+        panel = self.kv_panel
+        panel.display = not panel.display
+        if panel.display:
+            if self.last_snapshot is not None:
+                panel.show(self.last_snapshot, self.owner_styles())
+            if self.engine is not None:
+                self.engine.request_snapshot()
+
+    def action_system_prompt(self) -> None:
+        tab = self.active_tab
+        if tab is None:
+            return
+
+        def done(prompt: str | None) -> None:
+            if prompt is None or prompt == tab.system_prompt:
+                return
+            tab.system_prompt = prompt
+            tab.update_system_line()
+            if tab.history_id is not None:
+                self._db(self.history.set_system_prompt, tab.history_id, prompt)
+            self.notify("System prompt updated; it applies from the next reply.")
+
+        self.push_screen(SystemPromptScreen(tab.system_prompt, tab.chat_title), done)
+
+    def action_rename(self) -> None:
+        tab = self.active_tab
+        if tab is None:
+            return
+
+        def done(title: str | None) -> None:
+            if title:
+                tab.chat_title = title
+                self._relabel(tab)
+                if tab.history_id is not None:
+                    self._db(self.history.rename, tab.history_id, title)
+
+        self.push_screen(TextPromptScreen("New title", tab.chat_title), done)
+
+    def export_directory(self) -> Path:
+        return self.export_dir or Path.cwd()
+
+    def action_export(self) -> Path | None:
+        tab = self.active_tab
+        if tab is None or tab.history_id is None:
+            self.notify("Nothing to export yet: this conversation has no saved messages.")
+            return None
+        path = self._db(self.history.export_markdown, tab.history_id, self.export_directory())
+        if path is not None:
+            self.notify(f"Exported to {path}", title="Export")
+        return path
+
+    def action_conversations(self) -> None:
+        async def done(history_id: str | None) -> None:
+            if history_id is not None:
+                await self.open_saved(history_id)
+
+        self.push_screen(ConversationsScreen(self.history, self.export_directory), done)
+
+    async def open_saved(self, history_id: str) -> ChatTab | None:
+        """Open a saved conversation in a tab (or switch to it). Its KV is computed on the next turn."""
+        for tab in self.tabs:
+            if tab.history_id == history_id:
+                self.tabbed.active = tab.id or ""
+                return tab
+        conv = self._db(self.history.load, history_id)
+        if conv is None:
+            return None
+        tab = await self.new_tab(conv.title, conv.system_prompt)
+        tab.history_id = conv.id
+        for m in conv.messages:
+            message = ChatMessage(m.role, m.content, history_id=m.id)
+            tab.messages.append(message)
+            view = await tab.add_message(message)
+            if m.role == "assistant" and m.tokens is not None:
+                view.stats_line = f"{m.tokens} tokens" + (f" · {m.tokens_per_s:.1f} tok/s" if m.tokens_per_s else "")
+                view.set_footer(view.stats_line)
+        return tab
+
+    @on(ConversationRenamed)
+    def _renamed(self, event: ConversationRenamed) -> None:
+        for tab in self.tabs:
+            if tab.history_id == event.history_id:
+                tab.chat_title = event.title
+                self._relabel(tab)
+
+    @on(ConversationDeleted)
+    def _deleted(self, event: ConversationDeleted) -> None:
+        for tab in self.tabs:
+            if tab.history_id == event.history_id:
+                # Its rows are gone: the next message saves the tab as a new conversation.
+                tab.history_id = None
+                for m in tab.messages:
+                    m.history_id = None
+
+    # ------------------------------------------------------------------ shutdown
+    async def on_unmount(self) -> None:
+        await self.shutdown_engine()
+
+    async def shutdown_engine(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            # join() blocks; off the event loop so the UI can finish closing meanwhile.
+            await asyncio.to_thread(engine.shutdown, 5.0)

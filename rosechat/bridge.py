@@ -1,0 +1,57 @@
+"""Hand-off from the engine thread to the UI thread.
+
+The engine calls ``EventBuffer.push`` on its own thread for every event; that must never block,
+so it only appends to a lock-protected list. The UI drains the buffer on a timer (~30 Hz) and gets
+one coalesced ``Batch``: the text deltas of each (request, sample) joined into one string, every
+``Finished``/``EngineError`` in order, and only the newest ``CacheSnapshot``. A burst of hundreds of
+tokens therefore costs the UI one update per reply per frame, not one message per token.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from engine.events import CacheSnapshot, EngineError, Event, Finished, TokenDelta
+
+
+@dataclass
+class Batch:
+    # (request id, sample index) -> text, in order of first arrival. Apply before ``ends``: a
+    # request's deltas always precede its Finished.
+    deltas: dict[tuple[str, int], str] = field(default_factory=dict)
+    ends: list[Finished | EngineError] = field(default_factory=list)
+    snapshot: CacheSnapshot | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.deltas or self.ends or self.snapshot is not None)
+
+
+class EventBuffer:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[Event] = []
+
+    def push(self, event: Event) -> None:
+        """Engine thread: O(1), no allocation beyond the list slot."""
+        with self._lock:
+            self._events.append(event)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._events)  # a racy read is fine: the next poll sees what it missed
+
+    def drain(self) -> Batch:
+        """UI thread: everything pushed since the last drain, coalesced."""
+        with self._lock:
+            events, self._events = self._events, []
+        batch = Batch()
+        for event in events:
+            if isinstance(event, TokenDelta):
+                key = (event.request_id, event.index)
+                batch.deltas[key] = batch.deltas.get(key, "") + event.text
+            elif isinstance(event, CacheSnapshot):
+                batch.snapshot = event
+            elif isinstance(event, (Finished, EngineError)):
+                batch.ends.append(event)
+        return batch

@@ -1,0 +1,164 @@
+"""A chat tab: the message log (Markdown, streamed) and the input box."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Input, Markdown, Static, TabPane
+from textual.widgets.markdown import MarkdownStream
+
+if TYPE_CHECKING:
+    from engine.events import Finished
+
+ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+
+class ChatInput(Input):
+    """Enter sends. ``[`` and ``]`` on an empty box pick the previous / next alternative reply."""
+
+    class CycleAlternative(Message):
+        def __init__(self, step: int) -> None:
+            super().__init__()
+            self.step = step
+
+    async def _on_key(self, event: events.Key) -> None:
+        if not self.value and event.character in ("[", "]"):
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.CycleAlternative(-1 if event.character == "[" else 1))
+            return
+        await super()._on_key(event)
+
+
+class MessageView(Vertical):
+    """One message. An assistant reply may hold several alternatives; one is shown at a time."""
+
+    def __init__(self, role: str, content: str = "", *, n: int = 1) -> None:
+        super().__init__(classes=f"message -{role}")
+        self.role = role
+        self.texts = [content] + [""] * (n - 1)
+        self.shown = 0
+        self.stats_line = ""  # tokens, TTFT, tok/s once finished
+        self._stream: MarkdownStream | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(ROLE_LABELS.get(self.role, self.role), classes="role")
+        yield Markdown(self.texts[0])
+        yield Static("", classes="reply-footer")
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    @property
+    def text(self) -> str:
+        return self.texts[self.shown]
+
+    async def reset(self, n: int) -> None:
+        """Start over for a regenerated reply with ``n`` alternatives."""
+        await self.stop_stream()
+        self.texts, self.shown = [""] * n, 0
+        await self.markdown.update("")
+        self.set_footer("")
+
+    async def add_delta(self, index: int, text: str) -> None:
+        while index >= len(self.texts):
+            self.texts.append("")
+        self.texts[index] += text
+        if index == self.shown:
+            if self._stream is None:
+                self._stream = Markdown.get_stream(self.markdown)
+            await self._stream.write(text)
+
+    async def stop_stream(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.stop()
+
+    async def set_texts(self, texts: tuple[str, ...] | list[str]) -> None:
+        """The final texts (from Finished): authoritative, in case a delta was lost or partial."""
+        await self.stop_stream()
+        changed = list(texts) != self.texts
+        self.texts = list(texts) or [""]
+        self.shown = min(self.shown, len(self.texts) - 1)
+        if changed:
+            await self.markdown.update(self.text)
+
+    async def show_alternative(self, index: int) -> None:
+        await self.stop_stream()
+        self.shown = index % len(self.texts)
+        await self.markdown.update(self.text)
+
+    def set_footer(self, text: str) -> None:
+        footer = self.query_one(".reply-footer", Static)
+        footer.update(text)
+        footer.display = bool(text)
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+    history_id: int | None = None  # row in the history store, once saved
+    view: MessageView | None = field(default=None, repr=False)
+
+
+class ChatTab(TabPane):
+    """One conversation. Holds its state; the app talks to the engine and the history store."""
+
+    def __init__(self, title: str, *, color: str, system_prompt: str, id: str | None = None) -> None:
+        super().__init__(title, id=id)
+        self.chat_title = title
+        self.color = color
+        self.system_prompt = system_prompt
+        self.messages: list[ChatMessage] = []
+        self.engine_cid: str | None = None  # the engine's conversation id, once the engine runs
+        self.history_id: str | None = None  # the saved conversation, once it has a message
+        self.request_id: str | None = None  # the reply being generated
+        self.reply: MessageView | None = None  # its view
+        self.reply_replaces: ChatMessage | None = None  # set when regenerating: the reply it replaces
+        self.last_finished: Finished | None = None  # the last completed reply's event
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(classes="chat-log"):
+            yield Static("", classes="system-line")
+        yield ChatInput(placeholder="Message (Enter sends)", classes="chat-input")
+
+    def update_system_line(self) -> None:
+        line = self.query_one(".system-line", Static)
+        line.update(f"System: {self.system_prompt}" if self.system_prompt else "No system prompt (f3 sets one)")
+
+    def on_mount(self) -> None:
+        # Follow the bottom while replies stream, until the user scrolls up (Textual's anchor).
+        self.log_view.anchor()
+
+    @property
+    def log_view(self) -> VerticalScroll:
+        return self.query_one(".chat-log", VerticalScroll)
+
+    @property
+    def input(self) -> ChatInput:
+        return self.query_one(ChatInput)
+
+    @property
+    def generating(self) -> bool:
+        return self.request_id is not None
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The conversation as the engine takes it."""
+        out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return out + [{"role": m.role, "content": m.content} for m in self.messages]
+
+    async def add_message(self, message: ChatMessage, *, n: int = 1) -> MessageView:
+        view = MessageView(message.role, message.content, n=n)
+        message.view = view
+        await self.log_view.mount(view)
+        return view
+
+    def last_assistant(self) -> ChatMessage | None:
+        return self.messages[-1] if self.messages and self.messages[-1].role == "assistant" else None

@@ -1,0 +1,426 @@
+"""The app end to end with Pilot, on the built-in demo model (random weights, small KV pool).
+
+Every wait is a condition polled with a timeout (``wait_for``), never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.events import USED
+from rosechat.app import RoseChatApp
+from rosechat.config import load_config
+from rosechat.history import HistoryStore
+from rosechat.screens import ConfirmScreen, ConversationsScreen, SystemPromptScreen, TextPromptScreen
+from rosechat.widgets.chat import ChatTab
+from rosechat.widgets.kv_panel import BlockMap, KVPanel, stats_text
+
+SIZE = (110, 40)
+
+
+def make_app(tmp_path: Path, **overrides: Any) -> RoseChatApp:
+    settings = {
+        "model.name": "demo",
+        "cache.num_blocks": 96,
+        "sampling.max_tokens": 12,
+        "sampling.temperature": 1.0,
+        "history.path": str(tmp_path / "history.sqlite3"),
+    }
+    settings.update(overrides)
+    config = load_config(overrides=settings, user_file=None)
+    return RoseChatApp(config, HistoryStore(config.history_path()), export_dir=tmp_path / "exports")
+
+
+async def wait_for(pilot, condition: Callable[[], Any], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def ready(pilot) -> RoseChatApp:
+    app = pilot.app
+    await wait_for(pilot, lambda: app.ready, "the model to load", timeout=60)
+    return app
+
+
+async def send(pilot, text: str) -> ChatTab:
+    tab = pilot.app.active_tab
+    tab.input.value = text
+    await pilot.press("enter")
+    return tab
+
+
+def spy_submit(app: RoseChatApp) -> list[list[dict[str, str]]]:
+    """Record the messages of every turn the app submits to the engine thread."""
+    calls: list[list[dict[str, str]]] = []
+    submit = app.engine.submit_turn
+
+    def spy(cid: str, messages: list[dict[str, str]], params: Any) -> str:
+        calls.append(messages)
+        return submit(cid, messages, params)
+
+    app.engine.submit_turn = spy
+    return calls
+
+
+def replied(tab: ChatTab) -> bool:
+    return not tab.generating and bool(tab.messages) and tab.messages[-1].role == "assistant"
+
+
+async def test_three_tabs_stream_at_the_same_time(tmp_path: Path) -> None:
+    app = make_app(tmp_path, **{"sampling.max_tokens": 160})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        # Spy on what reaches the UI: which requests each drained batch carried text for.
+        streaming_together: list[int] = []
+        running_seen: list[int] = []
+        drain = app.events.drain
+
+        def spy():
+            batch = drain()
+            streaming_together.append(len({rid for rid, _ in batch.deltas}))
+            if batch.snapshot is not None:
+                running_seen.append(batch.snapshot.num_running)
+            return batch
+
+        app.events.drain = spy
+
+        await pilot.press("ctrl+n", "ctrl+n")
+        tabs = app.tabs
+        assert len(tabs) == 3 and len({t.engine_cid for t in tabs}) == 3
+        # Submit all three inputs back to back (Enter's action; a key press would wait for the CPU to go
+        # idle, which it does not while the engine generates).
+        for tab, text in zip(tabs, ("first tab", "second tab", "third tab")):
+            tab.input.value = text
+            await tab.input.action_submit()
+        await wait_for(pilot, lambda: len(app.requests) == 3, "three requests in flight")
+        assert app.active_tab is tabs[2]  # the first two stream in background tabs
+
+        await wait_for(pilot, lambda: all(replied(t) for t in tabs), "three replies")
+        assert max(streaming_together) == 3  # one UI update carried text for all three replies
+        assert max(running_seen) >= 2  # and the engine ran them in one batch
+        for tab, text in zip(tabs, ("first tab", "second tab", "third tab")):
+            assert [m.role for m in tab.messages] == ["user", "assistant"]
+            assert tab.messages[0].content == text
+            reply = tab.messages[1]
+            assert reply.content and reply.view.markdown.source == reply.content
+            assert "tokens" in str(reply.view.query_one(".reply-footer").render())
+            assert tab.last_finished.usage.completion_tokens >= 1
+    assert not app.requests
+
+
+async def test_fork_shares_kv_blocks(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        src = await send(pilot, "a conversation worth forking")
+        await wait_for(pilot, lambda: replied(src), "the reply")
+        await pilot.press("ctrl+f")
+        await wait_for(pilot, lambda: app.active_tab is not src and len(app.active_tab.messages) == 2, "the fork")
+        fork = app.active_tab
+        assert len(app.tabs) == 2
+        assert fork is not src and fork.engine_cid != src.engine_cid
+        assert [(m.role, m.content) for m in fork.messages] == [(m.role, m.content) for m in src.messages]
+
+        def shared_with_fork() -> bool:
+            snap = app.last_snapshot
+            return snap is not None and any(
+                fork.engine_cid in owners and src.engine_cid in owners and rc > 1
+                for owners, rc in zip(snap.owners, snap.refcount)
+            )
+
+        app.engine.request_snapshot()
+        await wait_for(pilot, shared_with_fork, "a block shared by both conversations")
+        snap = app.last_snapshot
+        assert snap.shared_blocks > 0 and snap.blocks_saved > 0
+
+        # The fork continues on its own; the source's history is untouched.
+        await send(pilot, "and now something different")
+        await wait_for(pilot, lambda: replied(fork), "the fork's reply")
+        assert len(fork.messages) == 4 and len(src.messages) == 2
+        assert fork.last_finished.usage.prefilled_tokens < fork.last_finished.usage.prompt_tokens
+        # Both are saved, the fork as its own conversation.
+        saved = {c.title: c.message_count for c in app.history.list_conversations()}
+        assert saved == {"a conversation worth forking": 2, "a conversation worth forking (fork)": 4}
+
+
+async def test_escape_stops_the_reply(tmp_path: Path) -> None:
+    app = make_app(tmp_path, **{"sampling.max_tokens": 1500, "cache.num_blocks": 128})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = await send(pilot, "tell me a very long story")
+        await wait_for(pilot, lambda: tab.reply is not None and tab.reply.text, "the first tokens")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: replied(tab), "the stopped reply")
+        assert tab.last_finished.finish_reasons == ("abort",)
+        assert tab.last_finished.usage.completion_tokens < 1500
+        assert "stopped" in str(tab.messages[-1].view.query_one(".reply-footer").render())
+        # The partial reply is kept, and saved.
+        saved = app.history.load(tab.history_id).messages
+        assert saved[-1].role == "assistant" and saved[-1].content == tab.messages[-1].content
+
+
+async def test_kv_panel_shows_the_engine_snapshot(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        panel = app.query_one(KVPanel)
+        assert not panel.display  # config: show_kv_panel = false
+        tab = await send(pilot, "fill some blocks")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        await pilot.press("ctrl+k")
+        assert panel.display
+        # The engine is idle now, so its state is stable: read it directly and wait for the panel to match.
+        truth = app.llm.cache_snapshot()
+        await wait_for(
+            pilot, lambda: panel.snapshot is not None and panel.snapshot.state == truth.state, "the panel to catch up"
+        )
+        await pilot.pause()
+        snap = panel.snapshot
+        assert snap.used_blocks == truth.used_blocks > 0
+        assert (snap.refcount, snap.owners) == (truth.refcount, truth.owners)
+        assert {o for owners in snap.owners for o in owners} == {tab.engine_cid}
+        stats = str(panel.query_one("#kv-stats").render())
+        assert f"{truth.used_blocks} / {truth.num_blocks}" in stats
+        assert stats_text(truth).plain.splitlines()[:9] == stats.splitlines()[:9]
+        block_map = panel.query_one(BlockMap)
+        used_cells = [i for i, c in enumerate(block_map.cells) if c.kind >= 2]
+        assert used_cells == [b for b, s in enumerate(truth.state) if s == USED]  # 96 blocks fit: 1 per cell
+        legend = str(panel.query_one("#kv-legend").render())
+        assert tab.chat_title in legend
+        await pilot.press("f2")
+        assert not panel.display
+
+
+async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        calls = spy_submit(app)
+
+        tab = await send(pilot, "say something")
+        await wait_for(pilot, lambda: replied(tab), "the first reply")
+        first_prompt = calls[-1]
+        first_reply = tab.last_finished
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: tab.last_finished is not first_reply and replied(tab), "the alternatives")
+        assert calls[-1] == first_prompt  # the same prompt, sampled 3 times
+        view = tab.messages[-1].view
+        texts = list(tab.last_finished.texts)
+        assert len(texts) == 3 == len(view.texts) and view.texts == texts
+        assert len(set(texts)) > 1  # temperature 1 over a random model: they differ
+        assert len(tab.messages) == 2  # the old reply was replaced, not appended to
+        assert "alternative 1/3" in str(view.query_one(".reply-footer").render())
+
+        await pilot.press("]")  # empty input: next alternative
+        assert view.shown == 1 and tab.messages[-1].content == texts[1]
+        assert "alternative 2/3" in str(view.query_one(".reply-footer").render())
+        await wait_for(pilot, lambda: view.markdown.source == texts[1], "the shown text")
+        await pilot.press("alt+right", "alt+right")  # wraps around
+        assert view.shown == 0
+        await pilot.press("alt+left")
+        assert view.shown == 2
+        await pilot.press("[")
+        assert view.shown == 1 and tab.messages[-1].content == texts[1]
+        assert app.history.load(tab.history_id).messages[-1].content == texts[1]
+        assert tab.input.value == ""  # the brackets did not land in the input
+
+        # Which alternative continues must be visible in the KV the engine keeps. Pick one whose text
+        # re-tokenizes to a longer common prefix with its own parked sequence than with any other
+        # (re-tokenizing random babble need not give back the sampled tokens), then continue with it.
+        conv = app.llm.conversations[tab.engine_cid]
+        assert sorted(seq.index for seq in conv.seqs) == [0, 1, 2]  # every alternative stays parked
+        follow_up = {"role": "user", "content": "go on"}
+
+        def next_prompt(i: int) -> list[dict[str, str]]:
+            return first_prompt + [{"role": "assistant", "content": texts[i]}, follow_up]
+
+        def reusable(seq, i: int) -> int:
+            new = app.llm.render_chat(next_prompt(i))
+            return next((k for k, (a, b) in enumerate(zip(seq.token_ids, new)) if a != b), min(len(seq), len(new)))
+
+        seq_of = {seq.index: seq for seq in conv.seqs}
+
+        def margin(i: int) -> int:  # how much better its own KV fits than the best other one
+            return reusable(seq_of[i], i) - max(reusable(seq_of[j], i) for j in range(3) if j != i)
+
+        choice = max(range(3), key=margin)
+        assert margin(choice) > 0
+        expected_reuse = reusable(seq_of[choice], choice)
+        while view.shown != choice:
+            await pilot.press("]")
+
+        await send(pilot, "go on")
+        await wait_for(pilot, lambda: replied(tab) and len(tab.messages) == 4, "the next reply")
+        assert calls[-1] == next_prompt(choice)
+        usage = tab.last_finished.usage
+        assert usage.prompt_tokens - usage.prefilled_tokens == expected_reuse > len(app.llm.render_chat(first_prompt))
+
+
+async def test_history_survives_a_restart(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = await send(pilot, "remember me")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        before = [(m.role, m.content) for m in tab.messages]
+        engine_thread = app.engine
+    assert not engine_thread.is_alive  # quitting shut the engine thread down
+    app.history.close()
+
+    app = make_app(tmp_path)  # same DB file
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen), "the conversation list")
+        assert [s.title for s in app.screen.summaries] == ["remember me"]
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.tabs) == 2 and len(app.active_tab.messages) == 2, "the reopened tab")
+        tab = app.active_tab
+        assert tab.chat_title == "remember me"
+        assert [(m.role, m.content) for m in tab.messages] == before
+        assert [v.markdown.source for v in tab.query("MessageView")] == [c for _, c in before]
+        # Continue it: the KV is recomputed (a fresh engine), the messages go to the same saved conversation.
+        await send(pilot, "still there?")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        assert tab.last_finished.usage.prefilled_tokens == tab.last_finished.usage.prompt_tokens
+        assert len(app.history.load(tab.history_id).messages) == 4
+        assert len(app.history.list_conversations()) == 1
+
+
+async def test_conversation_list_rename_export_delete(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = await send(pilot, "to be renamed")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen), "the conversation list")
+        screen = app.screen
+
+        await pilot.press("r")
+        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        app.screen.query_one("Input").value = "Renamed chat"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen is screen, "the list again")
+        assert app.history.load(tab.history_id).title == "Renamed chat"
+        await wait_for(pilot, lambda: tab.chat_title == "Renamed chat", "the open tab to be relabelled")
+        assert "Renamed chat" in app.tabbed.get_tab(tab).label.plain
+
+        await pilot.press("e")
+        path = screen.last_export
+        assert path is not None and path.parent == tmp_path / "exports" and path.name == "renamed-chat.md"
+        text = path.read_text()
+        assert text.startswith("# Renamed chat") and "to be renamed" in text and tab.messages[1].content in text
+
+        history_id = tab.history_id
+        await pilot.press("d")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirmation")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: app.screen is screen, "the list again")
+        assert screen.summaries == [] and app.history.list_conversations() == []
+        with pytest.raises(KeyError):
+            app.history.load(history_id)
+        await pilot.press("escape")
+        # The open tab saves itself anew on its next message.
+        assert tab.history_id is None
+        await send(pilot, "after delete")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        assert [c.message_count for c in app.history.list_conversations()] == [2]
+
+
+async def test_system_prompt_is_editable_per_conversation(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        calls = spy_submit(app)
+        first = app.active_tab
+        await pilot.press("ctrl+n")
+        second = app.active_tab
+        assert second.system_prompt == app.config.chat.system_prompt  # default from config
+
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, SystemPromptScreen), "the editor")
+        app.screen.query_one("TextArea").text = "You are a pirate."
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: not isinstance(app.screen, SystemPromptScreen), "the editor to close")
+        assert second.system_prompt == "You are a pirate." and first.system_prompt == app.config.chat.system_prompt
+        assert "You are a pirate." in str(second.query_one(".system-line").render())
+
+        await send(pilot, "ahoy")
+        await wait_for(pilot, lambda: replied(second), "the reply")
+        assert calls[-1][0] == {"role": "system", "content": "You are a pirate."}
+        assert app.history.load(second.history_id).system_prompt == "You are a pirate."
+
+
+async def test_tabs_keys_and_close_frees_blocks(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        first = await send(pilot, "one")
+        await wait_for(pilot, lambda: replied(first), "the reply")
+        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n")
+        tabs = app.tabs
+        assert len(tabs) == 3 and app.active_tab is tabs[2]
+        await pilot.press("ctrl+pagedown")
+        assert app.active_tab is tabs[0]  # wraps
+        await pilot.press("ctrl+pageup")
+        assert app.active_tab is tabs[2]
+        await pilot.press("alt+2")
+        assert app.active_tab is tabs[1]
+        assert app.focused is tabs[1].input
+
+        await pilot.press("alt+1")
+        await pilot.press("ctrl+w")
+        await wait_for(pilot, lambda: len(app.tabs) == 2, "the tab to close")
+        app.engine.request_snapshot()
+        await wait_for(
+            pilot,
+            lambda: app.last_snapshot is not None
+            and all(first.engine_cid not in owners for owners in app.last_snapshot.owners),
+            "the closed conversation's blocks to be released",
+        )
+        for _ in range(2):
+            await pilot.press("ctrl+w")
+        await wait_for(pilot, lambda: len(app.tabs) == 1, "a fresh tab")  # closing the last one opens a new one
+        assert app.active_tab.messages == []
+
+
+async def test_command_palette_runs_actions(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+p")
+        await pilot.press(*"new chat tab")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.tabs) == 2, "a tab opened from the palette")
+
+
+async def test_missing_model_falls_back_to_demo(tmp_path: Path) -> None:
+    app = make_app(tmp_path, **{"model.name": str(tmp_path / "no-such-model")})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.llm.info.is_demo
+        assert "DEMO" in app.sub_title and "no-such-model" in app.model_notice
+        assert any("not found" in n.title.lower() for n in app._notifications)
+        tab = await send(pilot, "hello demo")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+
+
+async def test_header_and_loading(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        info = app.llm.info
+        for part in (info.name, info.device, info.backend, "DEMO"):
+            assert part in app.sub_title
+        assert not app.query_one("#loading").display
