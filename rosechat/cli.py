@@ -7,7 +7,8 @@ import sqlite3
 import sys
 from typing import Any
 
-from rosechat.config import BACKENDS, DTYPES, ConfigError, load_config, user_config_path
+from rosechat import config as rosechat_config
+from rosechat.config import BACKENDS, DTYPES, ConfigError, load_config
 
 
 def backend_summary() -> str:
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     if args.print_config_path:
-        print(user_config_path())
+        print(rosechat_config.user_config_path())
         return 0
     try:
         config = load_config(args.config, overrides_from(args))

@@ -147,3 +147,15 @@ def test_sampling_kwargs() -> None:
     assert c.sampling_kwargs(n=3)["seed"] is None and c.sampling_kwargs(n=3)["n"] == 3
     c = load_config(overrides={"sampling.seed": 7}, user_file=None)
     assert c.sampling_kwargs()["seed"] == 7
+
+
+def test_theme_and_block_size_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[ui]\ntheme = "no-such-theme"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(path, user_file=None)
+    assert (e.value.key, e.value.line) == ("ui.theme", 2) and "textual-dark" in str(e.value)
+    path.write_text("[cache]\nblock_size = 24\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, user_file=None)
+    assert (e.value.key, e.value.line) == ("cache.block_size", 2) and "power of two" in str(e.value)

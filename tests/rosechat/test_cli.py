@@ -1,0 +1,99 @@
+"""The command line: flags override config, bad config exits 2 naming key/file/line, subcommands."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from rosechat import cli
+from rosechat import config as cfg
+from rosechat.app import RoseChatApp
+
+
+@pytest.fixture(autouse=True)
+def no_user_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(cfg, "user_config_path", lambda: tmp_path / "absent" / "config.toml")
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> list[RoseChatApp]:
+    """Apps main() would run, without running them."""
+    apps: list[RoseChatApp] = []
+    monkeypatch.setattr(RoseChatApp, "run", lambda self, *a, **k: apps.append(self))
+    return apps
+
+
+def test_bad_config_file_exits_2_naming_key_file_and_line(tmp_path: Path, capsys, launched) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\nname = "demo"\n[sampling]\ntemprature = 0.5\n')
+    assert cli.main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "sampling.temprature" in err and f"{bad}:4" in err and "did you mean 'temperature'" in err
+    assert launched == []  # never started half-configured
+
+
+def test_wrong_type_in_user_file(tmp_path: Path, capsys, monkeypatch, launched) -> None:
+    user = tmp_path / "user.toml"
+    user.write_text("[cache]\nkv_cache_mib = \"lots\"\n")
+    monkeypatch.setattr(cfg, "user_config_path", lambda: user)
+    assert cli.main(["--history", str(tmp_path / "h.db")]) == 2
+    err = capsys.readouterr().err
+    assert "cache.kv_cache_mib" in err and f"{user}:2" in err and "expected an integer" in err
+
+
+def test_bad_flag_value_exits_2(tmp_path: Path, capsys, launched) -> None:
+    assert cli.main(["--block-size", "12", "--history", str(tmp_path / "h.db")]) == 2
+    err = capsys.readouterr().err
+    assert "command line: cache.block_size: must be a power of two" in err
+    assert launched == []
+
+
+def test_flags_override_config_and_start_the_app(tmp_path: Path, launched) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('[model]\nname = "from-file"\ndevice = "cpu"\n[ui]\ntheme = "nord"\n')
+    argv = [
+        "--config", str(conf), "--model", "demo", "--kv-cache-mib", "32", "--history", str(tmp_path / "h.db"),
+        "--alternatives", "2", "--no-prefix-caching", "--kv-panel", "--temperature", "0",
+    ]
+    assert cli.main(argv) == 0
+    (app,) = launched
+    c = app.config
+    assert (c.model.name, c.model.device, c.ui.theme) == ("demo", "cpu", "nord")
+    assert c.cache.kv_cache_mib == 32 and c.cache.enable_prefix_caching is False
+    assert c.chat.alternatives == 2 and c.ui.show_kv_panel is True and c.sampling.temperature == 0.0
+    assert app.history.path == tmp_path / "h.db"
+    assert (tmp_path / "h.db").exists()
+
+
+def test_every_flag_maps_to_a_config_key() -> None:
+    parser = cli.build_parser()
+    dests = {a.dest for a in parser._actions} - {"help", "version", "config", "print_config_path"}
+    assert dests == set(cli.FLAG_KEYS)
+    for key in cli.FLAG_KEYS.values():
+        section, name = key.split(".")
+        assert name in {f for f in cfg.SECTIONS[section].__dataclass_fields__}
+
+
+def test_print_config_path(capsys, tmp_path: Path) -> None:
+    assert cli.main(["--print-config-path"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "absent" / "config.toml")
+
+
+def test_bench_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("rosechat.bench")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "rosechat.bench", fake)
+    monkeypatch.delattr("rosechat.bench", raising=False)
+    assert cli.main(["bench", "--quick", "x"]) == 0
+    assert seen == [["--quick", "x"]]
+
+
+def test_bench_missing_module_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "rosechat.bench", None)  # as if rosechat/bench.py did not exist
+    monkeypatch.delattr("rosechat.bench", raising=False)
+    assert cli.main(["bench"]) == 2
+    assert "not available" in capsys.readouterr().err
