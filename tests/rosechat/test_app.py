@@ -75,7 +75,8 @@ def replied(tab: ChatTab) -> bool:
 
 
 async def test_three_tabs_stream_at_the_same_time(tmp_path: Path) -> None:
-    app = make_app(tmp_path, **{"sampling.max_tokens": 160})
+    # Greedy: the random model's replies (and where they might stop early) are the same every run.
+    app = make_app(tmp_path, **{"sampling.max_tokens": 160, "sampling.temperature": 0.0})
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         # Spy on what reaches the UI: which requests each drained batch carried text for.
@@ -152,7 +153,8 @@ async def test_fork_shares_kv_blocks(tmp_path: Path) -> None:
 
 
 async def test_escape_stops_the_reply(tmp_path: Path) -> None:
-    app = make_app(tmp_path, **{"sampling.max_tokens": 1500, "cache.num_blocks": 128})
+    # Greedy, so whether the random model would stop by itself early is the same every run (it does not).
+    app = make_app(tmp_path, **{"sampling.max_tokens": 1500, "sampling.temperature": 0.0, "cache.num_blocks": 128})
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         tab = await send(pilot, "tell me a very long story")
@@ -236,7 +238,7 @@ async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -
         # re-tokenizes to a longer common prefix with its own parked sequence than with any other
         # (re-tokenizing random babble need not give back the sampled tokens), then continue with it.
         conv = app.llm.conversations[tab.engine_cid]
-        assert sorted(seq.index for seq in conv.seqs) == [0, 1, 2]  # every alternative stays parked
+        assert sorted(seq.index for seq in conv.seqs) == [0, 1, 2], "the engine must park every alternative"
         follow_up = {"role": "user", "content": "go on"}
 
         def next_prompt(i: int) -> list[dict[str, str]]:
@@ -293,6 +295,8 @@ async def test_history_survives_a_restart(tmp_path: Path) -> None:
         assert tab.last_finished.usage.prefilled_tokens == tab.last_finished.usage.prompt_tokens
         assert len(app.history.load(tab.history_id).messages) == 4
         assert len(app.history.list_conversations()) == 1
+        path = app.action_export()  # the palette's "Export conversation to Markdown"
+        assert path.parent == tmp_path / "exports" and "still there?" in path.read_text()
 
 
 async def test_conversation_list_rename_export_delete(tmp_path: Path) -> None:
