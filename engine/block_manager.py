@@ -160,14 +160,18 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Make room to write tokens [computed, computed + num_tokens): copy-on-write, new blocks."""
         c = seq.num_computed_tokens
+        j = c // self.block_size
         if self._needs_cow(seq, c):
-            j = c // self.block_size
             old = seq.block_table[j]
             new = self._take_free().block_id
             self._release(old)
             seq.block_table[j] = new
             self.pending_copies.append((old, new))
             self.cow_copies += 1
+        elif j < len(seq.block_table) and self.blocks[seq.block_table[j]].hash is not None:
+            # A private block cut short by a truncate: about to be overwritten, so it no longer
+            # holds what its prefix-cache hash says.
+            self._uncache(self.blocks[seq.block_table[j]])
         for _ in range(cdiv(c + num_tokens, self.block_size) - len(seq.block_table)):
             seq.block_table.append(self._take_free().block_id)
         self.holders[seq.seq_id] = seq
@@ -218,10 +222,6 @@ class BlockManager:
         for block_id in reversed(seq.block_table[keep:]):
             self._release(block_id)
         del seq.block_table[keep:]
-        if seq.num_computed_tokens % self.block_size and seq.block_table:
-            last = self.blocks[seq.block_table[-1]]
-            if last.ref_count == 1:  # about to be overwritten in place: no longer what its hash says
-                self._uncache(last)
         if not seq.block_table:
             self.holders.pop(seq.seq_id, None)
 

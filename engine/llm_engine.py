@@ -189,8 +189,8 @@ class LLMEngine:
         group = SequenceGroup(request_id, [seq], params, conversation_id=conv_id, prompt_len=len(seq))
         self._init_seq(seq, group, 0)
         self.groups[request_id] = group
-        if _conversation:
-            _conversation.request_id, _conversation.seqs = request_id, [seq]
+        if _conversation:  # the same list: samples forked later belong to the conversation too
+            _conversation.request_id, _conversation.seqs = request_id, group.seqs
         self.scheduler.add(seq)
         return request_id
 

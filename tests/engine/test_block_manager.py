@@ -125,7 +125,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

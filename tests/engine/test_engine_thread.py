@@ -1,0 +1,183 @@
+"""EngineThread without any UI: concurrency, abort, fork while busy, shutdown, failure isolation."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from engine import CacheSnapshot, EngineError, EngineThread, Finished, LLMEngine, SamplingParams, TokenDelta
+from tests.helpers import make_tiny_model
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list = []
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+
+    def __call__(self, event) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def of(self, kind, request_id: str | None = None) -> list:
+        with self.lock:
+            return [e for e in self.events if isinstance(e, kind) and request_id in (None, e.request_id)]
+
+    def wait(self, predicate, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not predicate():
+                left = deadline - time.monotonic()
+                assert left > 0, "timed out waiting for engine events"
+                self.cond.wait(left)
+
+    def finished(self, rid: str) -> Finished | EngineError | None:
+        done = [e for e in self.events if isinstance(e, Finished | EngineError) and e.request_id == rid]
+        return done[0] if done else None
+
+    def wait_done(self, *rids: str) -> None:
+        self.wait(lambda: all(self.finished(r) for r in rids))
+
+    def text(self, rid: str, index: int = 0) -> str:
+        return "".join(e.text for e in self.of(TokenDelta, rid) if e.index == index)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("thread") / "m", "llama", max_position_embeddings=1024))
+
+
+@pytest.fixture
+def running(model_dir: str):
+    rec = Recorder()
+    eng = LLMEngine.from_pretrained(model_dir, block_size=8, num_blocks=256)
+    et = EngineThread(eng, rec)
+    et.start()
+    yield eng, et, rec
+    et.shutdown()
+    assert not et.is_alive
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+
+
+def test_concurrent_submits_from_several_threads(running) -> None:
+    eng, et, rec = running
+    rids: list[str] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        cid = et.new_conversation()
+        rid = et.submit_turn(cid, chat(f"hello number {i}"), SamplingParams(max_tokens=16, ignore_eos=True))
+        with lock:
+            rids.append(rid)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rec.wait_done(*rids)
+    for rid in rids:
+        done = rec.finished(rid)
+        assert isinstance(done, Finished) and done.usage.completion_tokens == 16
+        assert rec.text(rid) == done.texts[0]  # the streamed deltas add up to the final text
+    assert rec.of(CacheSnapshot)
+
+
+def test_abort_mid_stream_frees_the_blocks(running) -> None:
+    eng, et, rec = running
+    rid = et.submit_turn(et.new_conversation(), chat("go on"), SamplingParams(max_tokens=400, ignore_eos=True))
+    rec.wait(lambda: len(rec.of(TokenDelta, rid)) >= 3)
+    et.abort(rid)
+    rec.wait_done(rid)
+    done = rec.finished(rid)
+    assert isinstance(done, Finished) and done.finish_reasons == ("abort",)
+    assert done.usage.completion_tokens < 400
+    # Aborted in a conversation: its blocks stay parked for the next turn, until the tab closes.
+    cid = done.conversation_id
+    et.drop_conversation(cid)
+    et.request_snapshot()
+    rec.wait(lambda: any(cid not in {o for owners in s.owners for o in owners} and s.used_blocks == 0
+                         for s in rec.of(CacheSnapshot)))
+
+
+def test_fork_while_another_conversation_generates(running) -> None:
+    eng, et, rec = running
+    a = et.new_conversation()
+    first = et.submit_turn(a, chat("first"), SamplingParams(max_tokens=8, ignore_eos=True))
+    rec.wait_done(first)
+    b = et.new_conversation()
+    busy = et.submit_turn(b, chat("keep talking"), SamplingParams(max_tokens=120, ignore_eos=True))
+    rec.wait(lambda: len(rec.of(TokenDelta, busy)) >= 2)
+    fork = et.fork_conversation(a)
+    et.request_snapshot()
+    # The fork shares a's blocks while b keeps generating.
+    rec.wait(lambda: any(any({a, fork} <= set(o) for o in s.owners) for s in rec.of(CacheSnapshot)))
+    history = chat("first") + [{"role": "assistant", "content": rec.finished(first).texts[0]}]
+    on_fork = et.submit_turn(fork, history + [{"role": "user", "content": "and?"}], SamplingParams(max_tokens=4))
+    rec.wait_done(busy, on_fork)
+    assert isinstance(rec.finished(busy), Finished) and rec.finished(busy).usage.completion_tokens == 120
+    fork_turn = rec.finished(on_fork)
+    assert isinstance(fork_turn, Finished)
+    assert fork_turn.usage.prefilled_tokens < fork_turn.usage.prompt_tokens // 2  # reused a's KV
+
+
+def test_shutdown_while_busy_is_prompt(model_dir: str) -> None:
+    rec = Recorder()
+    et = EngineThread(LLMEngine.from_pretrained(model_dir, block_size=8, num_blocks=256), rec)
+    et.start()
+    rids = [et.submit_turn(et.new_conversation(), chat(f"x{i}"), SamplingParams(max_tokens=800, ignore_eos=True))
+            for i in range(4)]
+    rec.wait(lambda: len(rec.of(TokenDelta, rids[0])) >= 2)
+    t = time.monotonic()
+    et.shutdown(timeout=5)
+    assert not et.is_alive and time.monotonic() - t < 2.0
+
+
+def test_an_injected_failure_ends_only_that_request(running) -> None:
+    eng, et, rec = running
+    good = et.submit_turn(et.new_conversation(), chat("fine"), SamplingParams(max_tokens=20, ignore_eos=True))
+    bad = et.submit_turn(et.new_conversation(), chat("doomed"), SamplingParams(max_tokens=20, ignore_eos=True))
+    rec.wait(lambda: rec.of(TokenDelta, bad))
+
+    real = eng._append_tokens
+
+    def sabotage(seqs, tokens):  # runs on the engine thread: break one request's detokenizer
+        for s in seqs:
+            if s.group.request_id == bad:
+                s.detokenizer.append = lambda _t: 1 / 0
+        real(seqs, tokens)
+
+    eng._append_tokens = sabotage
+    rec.wait_done(good, bad)
+    assert isinstance(rec.finished(bad), EngineError) and "ZeroDivisionError" in rec.finished(bad).message
+    assert isinstance(rec.finished(good), Finished) and rec.finished(good).usage.completion_tokens == 20
+    # The engine goes on serving.
+    again = et.submit_turn(et.new_conversation(), chat("still there?"), SamplingParams(max_tokens=5))
+    rec.wait_done(again)
+    assert isinstance(rec.finished(again), Finished)
+
+
+def test_bad_request_becomes_an_error_event(running) -> None:
+    eng, et, rec = running
+    rid = et.submit_turn(et.new_conversation(), chat("x"), SamplingParams(max_tokens=10_000))
+    rec.wait_done(rid)
+    err = rec.finished(rid)
+    assert isinstance(err, EngineError) and "max_tokens" in err.message
+
+
+def test_idle_thread_uses_no_cpu(running) -> None:
+    eng, et, rec = running
+    rid = et.submit_turn(et.new_conversation(), chat("hi"), SamplingParams(max_tokens=4))
+    rec.wait_done(rid)
+    time.sleep(0.2)
+    cpu0 = sum(os.times()[:2])  # the whole process: the engine thread is the only one with work
+    time.sleep(1.0)
+    cpu = sum(os.times()[:2]) - cpu0
+    assert cpu < 0.1, f"the idle engine burned {cpu:.2f}s of CPU in 1s"
