@@ -9,7 +9,7 @@ forward pass.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.events import CACHED, FREE, USED
 from engine.sequence import Sequence
@@ -38,6 +38,7 @@ class AllocationPlan:
     hits: list[int]  # cached block ids, in order, to append to the block table
     num_hits_from_free: int  # of those, how many sit in the free list (taking them costs free blocks)
     num_new_blocks: int  # fresh blocks for the rest, copy-on-write included
+    miss_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks it will compute
 
     @property
     def num_free_needed(self) -> int:
@@ -56,6 +57,9 @@ class BlockManager:
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # free but cached, LRU first
         self.hash_to_block: dict[int, int] = {}
         self.holders: dict[int, Sequence] = {}  # seq_id -> sequence holding blocks (for snapshots)
+        # Full blocks some admitted sequence is about to compute: hash -> seq_id. A waiting sequence
+        # whose next block is among them waits a step and then hits the cache instead of recomputing.
+        self.pending: dict[int, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, done by the runner
         self.cow_copies = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -112,6 +116,7 @@ class BlockManager:
         bs = self.block_size
         c, n_tables = seq.num_computed_tokens, len(seq.block_table)
         hits: list[int] = []
+        misses: list[int] = []
         from_free = 0
         # Look up full blocks past what is computed; the last token is always computed (it
         # yields the logits), so at most (len - 1) // bs blocks can come from the cache.
@@ -121,15 +126,21 @@ class BlockManager:
                 if parent is None:
                     break
                 tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
-                block_id = self._lookup(parent, tokens)
+                block_id = None if misses else self._lookup(parent, tokens)
                 if block_id is None:
-                    break
-                hits.append(block_id)
-                from_free += self.blocks[block_id].ref_count == 0
-                parent = self.blocks[block_id].hash
+                    parent = self._hash(parent, tokens)
+                    misses.append(parent)
+                else:
+                    hits.append(block_id)
+                    from_free += self.blocks[block_id].ref_count == 0
+                    parent = self.blocks[block_id].hash
         c += len(hits) * bs
         new = cdiv(len(seq), bs) - n_tables - len(hits)
-        return AllocationPlan(hits, from_free, new + self._needs_cow(seq, c))
+        return AllocationPlan(hits, from_free, new + self._needs_cow(seq, c), misses)
+
+    def waits_for_pending(self, plan: AllocationPlan) -> bool:
+        """Whether the first block plan would compute is being computed by another sequence."""
+        return bool(plan.miss_hashes) and plan.miss_hashes[0] in self.pending
 
     def _needs_cow(self, seq: Sequence, computed: int) -> bool:
         # Only the block the next token lands in can be shared: later ones are fresh.
@@ -149,6 +160,9 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_computed_tokens += len(plan.hits) * self.block_size
         self.append_slots(seq, seq.num_uncomputed)
+        for h in plan.miss_hashes:
+            self.pending.setdefault(h, seq.seq_id)
+        seq.pending_hashes = plan.miss_hashes
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_append_blocks(seq, num_tokens) <= self.num_free_blocks
@@ -189,6 +203,8 @@ class BlockManager:
             block.parent_hash = parent
             block.token_ids = tuple(seq.token_ids[j * bs : (j + 1) * bs])
             block.hash = self._hash(parent, block.token_ids)
+            if self.pending.get(block.hash) == seq.seq_id:
+                del self.pending[block.hash]
             # An identical block already cached stays the canonical one; this one still
             # carries the hash so its children chain correctly.
             self.hash_to_block.setdefault(block.hash, block.block_id)
@@ -198,9 +214,17 @@ class BlockManager:
         """Release all of seq's blocks; full ones stay in the prefix cache until reused."""
         for block_id in reversed(seq.block_table):  # tail first: evicted before the shared head
             self._release(block_id)
+        self.drop_pending(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0
         self.holders.pop(seq.seq_id, None)
+
+    def drop_pending(self, seq: Sequence) -> None:
+        """seq will not compute its admitted blocks (finished, aborted, preempted, cut short)."""
+        for h in seq.pending_hashes:
+            if self.pending.get(h) == seq.seq_id:
+                del self.pending[h]
+        seq.pending_hashes = []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent's computed tokens: zero-copy."""
@@ -221,6 +245,7 @@ class BlockManager:
         keep = cdiv(seq.num_computed_tokens, self.block_size)
         for block_id in reversed(seq.block_table[keep:]):
             self._release(block_id)
+        self.drop_pending(seq)
         del seq.block_table[keep:]
         if not seq.block_table:
             self.holders.pop(seq.seq_id, None)

@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def park(self, seq: Sequence) -> None:
+        self.bm.drop_pending(seq)
         seq.status = SequenceStatus.PARKED
         self.parked[seq.seq_id] = seq
 
@@ -47,6 +48,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.parked.pop(seq.seq_id, None)
+        self.bm.drop_pending(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,6 +101,7 @@ class Scheduler:
                 self._preempt(seq)
 
         # Admit waiting prefills unless this step already had to preempt.
+        deferred: list[Sequence] = []
         while (
             self.waiting
             and budget > 0
@@ -107,6 +110,11 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             plan = self.bm.plan(seq)
+            if self.bm.waits_for_pending(plan):
+                # Its next block is being computed for another sequence (a shared system prompt
+                # arriving several times at once): wait a step and hit the cache instead.
+                deferred.append(self.waiting.popleft())
+                continue
             # Parked conversations give way to new work; when nothing runs that could free
             # memory later, waiting sequences holding blocks give way too. Re-plan after each
             # release: a released block may be one of seq's prefix-cache hits.
@@ -126,6 +134,7 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
 
+        self.waiting.extendleft(reversed(deferred))
         scheduled.sort(key=lambda sn: sn[1] != 1)  # decodes (one token) first, stable otherwise
         num_decodes = sum(1 for _, n in scheduled if n == 1)
         return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes)

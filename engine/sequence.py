@@ -72,6 +72,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.pending_hashes: list[int] = []  # prefix-cache hashes of blocks it was admitted to compute
         self.status = SequenceStatus.WAITING
         self.group = group
         self.index = index  # which sample of its group

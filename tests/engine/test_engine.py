@@ -209,6 +209,19 @@ def test_fork_shares_every_block_until_it_diverges(llama_dir: str) -> None:
     assert eng.cache_snapshot().cow_copies == 1
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once(llama_dir: str) -> None:
+    eng = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256)
+    system, *users = random_prompts(11, [64, 5, 6, 7, 8])
+    outs = eng.generate([system + u for u in users], SamplingParams(max_tokens=4, ignore_eos=True))
+    # The first computes the 64 shared tokens; the others wait one step and hit the cache.
+    assert eng.prefill_tokens == 64 + sum(map(len, users))
+    solo = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in solo.generate([system + u for u in users], SamplingParams(max_tokens=4, ignore_eos=True))
+    ]
+    assert solo.prefill_tokens == 4 * 64 + sum(map(len, users))
+
+
 def test_chunked_prefill_does_not_stall_decodes(llama_dir: str) -> None:
     eng = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256, max_num_batched_tokens=32)
     short, long = random_prompts(4, [5, 300])

@@ -25,7 +25,8 @@ class Recorder:
 
     def of(self, kind, request_id: str | None = None) -> list:
         with self.lock:
-            return [e for e in self.events if isinstance(e, kind) and request_id in (None, e.request_id)]
+            matches = [e for e in self.events if isinstance(e, kind)]
+            return [e for e in matches if request_id is None or e.request_id == request_id]
 
     def wait(self, predicate, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
