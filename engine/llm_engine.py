@@ -141,10 +141,21 @@ class LLMEngine:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding in newer transformers
-            out = out["input_ids"]
-        return list(out)
+        return self._chat_tokens(messages, [])[0]
+
+    def _chat_tokens(self, messages: list[dict[str, str]], parked: list[Sequence]) -> tuple[list[int], str]:
+        """Tokens of the chat template rendered for messages (and the rendered text).
+
+        A reply re-tokenized from its text need not give the tokens the model generated, which
+        would throw away its KV. So when the new history starts with exactly what a parked
+        sequence spells (its prompt and reply), its own tokens are kept and only the rest is encoded.
+        """
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for seq in parked:
+            if seq.chat_text and text.startswith(seq.chat_text):
+                ids = seq.token_ids[:-1] if seq.token_ids[-1] in self.eos_token_ids else seq.token_ids
+                return ids + self.tokenizer.encode(text[len(seq.chat_text) :], add_special_tokens=False), text
+        return self.tokenizer.encode(text, add_special_tokens=False), text
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         n_prompt, limit = len(token_ids), self.max_model_len
@@ -239,7 +250,10 @@ class LLMEngine:
         conv = self._conversation(conversation_id)
         if conv.request_id is not None:
             raise RequestError(f"conversation {conversation_id!r} is still generating")
-        tokens = list(messages) if messages and isinstance(messages[0], int) else self.render_chat(messages)
+        if messages and isinstance(messages[0], int):
+            tokens, text = list(messages), None
+        else:
+            tokens, text = self._chat_tokens(messages, conv.seqs)
         self._validate(tokens, params or SamplingParams())
         best, best_len = None, -1
         for seq in conv.seqs:
@@ -256,6 +270,7 @@ class LLMEngine:
             # alternatives not chosen); keep at least the last token to compute.
             self.block_manager.truncate(best, min(best_len, len(tokens) - 1))
             best.token_ids += tokens[len(best) :]
+        best.chat_text = text  # the prompt's text; the reply's is added when the turn ends
         return self.add_request(tokens, params, request_id, _conversation=conv, _seq=best)
 
     def fork_conversation(self, conversation_id: str, new_id: str | None = None) -> str:
@@ -263,10 +278,8 @@ class LLMEngine:
         src = self._conversation(conversation_id)
         cid = self.start_conversation(new_id)
         for parent in src.seqs:
-            # The child holds the tokens whose KV it shares (all of them if the parent has none).
-            n = parent.num_computed_tokens if parent.block_table else len(parent)
-            child = Sequence(parent.token_ids[:n])
-            child.owner = cid
+            child = Sequence(parent.token_ids)
+            child.owner, child.chat_text = cid, parent.chat_text if parent.status is SequenceStatus.PARKED else None
             self.block_manager.fork(parent, child)
             self.scheduler.park(child)
             self.conversations[cid].seqs.append(child)
@@ -355,6 +368,7 @@ class LLMEngine:
                 for i in range(len(group.seqs), group.params.n):
                     child = Sequence(seq.token_ids)
                     self._init_seq(child, group, i)
+                    child.chat_text = seq.chat_text
                     self.block_manager.fork(seq, child)
                     child.status = SequenceStatus.RUNNING
                     self.scheduler.running.append(child)
@@ -400,6 +414,9 @@ class LLMEngine:
             seq.pending_text += seq.detokenizer.flush()
         self.scheduler.remove(seq)
         group = seq.group
+        # The text this sequence's tokens spell, for the next turn (not when a stop string was cut).
+        spelled = seq.chat_text is not None and not seq.detokenizer.stopped
+        seq.chat_text = seq.chat_text + seq.detokenizer.text if spelled else None
         if group.conversation_id in self.conversations:
             self.scheduler.park(seq)  # keeps its blocks for the next turn
         else:

@@ -80,6 +80,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         self.detokenizer: Any = None
+        self.chat_text: str | None = None  # chat template text its tokens spell (conversations)
         self.pending_text = ""  # streamed text not yet handed out by LLMEngine.step()
 
     def __len__(self) -> int:

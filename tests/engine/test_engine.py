@@ -167,6 +167,8 @@ def test_conversation_turns_prefill_only_new_tokens(llama_dir: str) -> None:
     new_tokens = len(prompt2) - same
     print(f"turn 2: prompt {second.usage.prompt_tokens}, new {new_tokens}, prefilled {second.usage.prefilled_tokens}")
     assert second.usage.prefilled_tokens <= new_tokens + bs
+    # The reply's own tokens are kept even where its text would re-tokenize differently.
+    assert prompt2[: len(held) - 1] == held[:-1]
 
     # A second conversation with the same system prompt reuses its blocks through the prefix cache.
     sys_len = len(eng.render_chat([{"role": "system", "content": system}])) - 3  # minus the generation prompt
@@ -216,9 +218,8 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(llama_dir: str)
     # The first computes the 64 shared tokens; the others wait one step and hit the cache.
     assert eng.prefill_tokens == 64 + sum(map(len, users))
     solo = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256, enable_prefix_caching=False)
-    assert [o.outputs[0].token_ids for o in outs] == [
-        o.outputs[0].token_ids for o in solo.generate([system + u for u in users], SamplingParams(max_tokens=4, ignore_eos=True))
-    ]
+    alone = solo.generate([system + u for u in users], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
     assert solo.prefill_tokens == 4 * 64 + sum(map(len, users))
 
 
