@@ -1,9 +1,10 @@
 """Vectorised PyTorch paged attention: the CPU production path and the kernels' reference.
 
-Work is cut into tiles (a run of one sequence's queries). Tiles are sorted by how many keys they
-need and packed into chunks under a memory budget; each chunk gathers its K/V blocks through the
-block table and runs one batched masked softmax in fp32 (GQA by reshaping q, never copying K/V).
-Decode is the special case of one query per sequence.
+Each chunk of work gathers its sequences' K/V whole blocks at a time through the block table
+(one index_select on the pool), pads to the longest, and runs one batched masked softmax in fp32
+(GQA by reshaping q into [Hkv, G], never repeating K/V). Chunks are sized by a memory budget:
+decode chunks the batch; prefill cuts long prompts into query tiles and packs tiles of similar
+key length together.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-# Elements of gathered K/V plus scores per chunk: keeps huge batches / contexts from
-# materialising everything at once, while small batches still run as one chunk.
-CHUNK_BUDGET = 1 << 25
+# Elements of gathered K/V plus scores per chunk: bounds memory on huge batches / contexts, and
+# keeps CPU buffers under glibc's mmap threshold (32 MiB), past which every call page-faults.
+CHUNK_BUDGET = 1 << 22
 
 
 def paged_decode_attention(
@@ -25,10 +26,19 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    B = q.shape[0]
-    ctx = context_lens.tolist()
-    # one query per sequence at position ctx - 1
-    return _paged_attention(q, k_cache, v_cache, block_tables, list(range(B)), [1] * B, ctx, scale)
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    # sequences per chunk so that gathered K/V + scores stay within the budget
+    step = max(1, CHUNK_BUDGET // (int(context_lens.max()) * (2 * Hkv * D + Hq)))
+    for b in range(0, B, step):
+        lens = context_lens[b : b + step]
+        pos = (lens - 1)[:, None]  # the one query sits at the last position
+        o = _attend(q[b : b + step, None], k_cache, v_cache, block_tables[b : b + step], lens, pos, scale)
+        out[b : b + step] = o[:, 0]
+    return out
 
 
 def paged_prefill_attention(
@@ -40,98 +50,82 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    starts, q_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q.diff().tolist()
-    return _paged_attention(q, k_cache, v_cache, block_tables, starts, q_lens, context_lens.tolist(), scale)
-
-
-def _paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    q_starts: Sequence[int],
-    q_lens: Sequence[int],
-    ctx_lens: Sequence[int],
-    scale: float,
-) -> torch.Tensor:
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     out = torch.empty_like(q)
-    if T == 0:
-        return out
-    # tile = (seq, first token in q, n queries, absolute position of the first query)
+    kv_row = 2 * Hkv * D
+    # tile = (seq, first token in q, n queries, keys it needs): long prompts are cut so one
+    # tile's scores fit the budget; a later slice of a prompt also needs more keys
     tiles: list[tuple[int, int, int, int]] = []
-    for b, (s, n, c) in enumerate(zip(q_starts, q_lens, ctx_lens, strict=True)):
-        step = max(1, (CHUNK_BUDGET // max(c, 1) - 2 * Hkv * D) // Hq)
+    starts, q_lens, ctx_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q.diff().tolist(), context_lens.tolist()
+    for b, (s, n, c) in enumerate(zip(starts, q_lens, ctx_lens, strict=True)):
+        step = max(1, (CHUNK_BUDGET // max(c, 1) - kv_row) // Hq)
         for i in range(0, n, step):
-            tiles.append((b, s + i, min(step, n - i), c - n + i))
-    # longest first, so each chunk pads to a similar key length
-    tiles.sort(key=lambda t: t[3] + t[2], reverse=True)
+            m = min(step, n - i)
+            tiles.append((b, s + i, m, c - n + i + m))
+    # longest first, so the tiles packed into a chunk pad to similar lengths
+    tiles.sort(key=lambda t: t[3], reverse=True)
     i = 0
     while i < len(tiles):
-        n_keys, m = tiles[i][3] + tiles[i][2], tiles[i][2]
-        j = i + 1
-        while j < len(tiles):
-            m2 = max(m, tiles[j][2])
-            if (j + 1 - i) * n_keys * (2 * Hkv * D + Hq * m2) > CHUNK_BUDGET:
-                break
-            m, j = m2, j + 1
-        _attend_chunk(q, k_cache, v_cache, block_tables, tiles[i:j], m, n_keys, scale, out)
+        n_keys, m, j = tiles[i][3], tiles[i][2], i + 1
+        while j < len(tiles) and (j + 1 - i) * n_keys * (kv_row + Hq * max(m, tiles[j][2])) <= CHUNK_BUDGET:
+            m, j = max(m, tiles[j][2]), j + 1
+        seq, start, length, keys = torch.tensor(tiles[i:j], device=q.device).unbind(1)
+        # padding queries repeat their tile's last query, so no score row is fully masked
+        qi = torch.minimum(torch.arange(m, device=q.device)[None, :], length[:, None] - 1)
+        q_idx = start[:, None] + qi
+        pos = keys[:, None] - length[:, None] + qi  # absolute position of each query
+        o = _attend(
+            q.index_select(0, q_idx.flatten()).view(j - i, m, Hq, D),
+            k_cache,
+            v_cache,
+            block_tables.index_select(0, seq),
+            keys,
+            pos,
+            scale,
+        )
+        out[q_idx] = o.to(out.dtype)  # duplicated padding rows write the same values
         i = j
     return out
 
 
-def _attend_chunk(
+def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    tiles: list[tuple[int, int, int, int]],
-    m: int,
-    n_keys: int,
+    tables: torch.Tensor,
+    key_lens: torch.Tensor,
+    pos: torch.Tensor,
     scale: float,
-    out: torch.Tensor,
-) -> None:
-    _, Hq, D = q.shape
+) -> torch.Tensor:
+    """q: [n, m, Hq, D] at absolute positions pos: [n, m], each row attending causally to keys
+    [0, key_lens) of its table's sequence. Returns [n, m, Hq, D] in q's dtype."""
+    n, m, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
     dev = q.device
-    n = len(tiles)
-    seq, start, length, pos0 = torch.tensor(tiles, device=dev).unbind(1)
-    ar = torch.arange(m, device=dev)
-    valid_q = ar[None, :] < length[:, None]  # [n, m]
-    # padding queries repeat the tile's last query, so no row is fully masked
-    qi = torch.minimum(ar[None, :], length[:, None] - 1)
-    q_idx = start[:, None] + qi
-    pos = pos0[:, None] + qi  # [n, m] absolute positions
-    keys_end = pos0 + length  # keys [0, keys_end) may be read
-
-    # gather whole blocks; table entries past a tile's blocks are padding, point them at block 0
-    nb = -(-n_keys // bs)
+    nb = -(-int(key_lens.max()) // bs)
     L = nb * bs
-    bt = block_tables.index_select(0, seq)[:, :nb].long()
-    need = -(-keys_end // bs)
-    bt = torch.where(torch.arange(nb, device=dev)[None, :] < need[:, None], bt, 0)
+    # table entries past a sequence's blocks are padding (any value): point them at block 0
+    bt = tables[:, :nb].long()
+    bt = bt.masked_fill(torch.arange(nb, device=dev)[None, :] * bs >= key_lens[:, None], 0)
     k = k_cache.index_select(0, bt.flatten()).view(n, L, Hkv, D)
     v = v_cache.index_select(0, bt.flatten()).view(n, L, Hkv, D)
-    key_ok = torch.arange(L, device=dev)[None, :] < keys_end[:, None]  # [n, L]
-    if not bool(key_ok.all()):
-        # slots past the context hold garbage (maybe NaN): 0 * NaN would leak through p @ v
-        v.view(n * L, Hkv * D).index_fill_(0, (~key_ok).flatten().nonzero().squeeze(1), 0)
+    past_end = torch.arange(L, device=dev)[None, :] >= key_lens[:, None]  # [n, L]
+    if bool(past_end.any()):
+        # those slots hold garbage (maybe NaN) and 0 * NaN would leak through p @ v
+        v.view(n * L, Hkv * D).index_fill_(0, past_end.flatten().nonzero().squeeze(1), 0)
 
-    ct = torch.promote_types(q.dtype, torch.float32)
-    qh = q.index_select(0, q_idx.flatten()).view(n, m, Hkv, G, D).to(ct) * scale
-    qh = qh.permute(0, 2, 1, 3, 4).reshape(n, Hkv, m * G, D)
-    s = torch.matmul(qh, k.to(ct).permute(0, 2, 3, 1))  # [n, Hkv, m*G, L]
-    causal = torch.arange(L, device=dev)[None, None, :] <= pos[:, :, None]  # [n, m, L]
-    s.view(n, Hkv, m, G, L).masked_fill_(~causal[:, None, :, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.matmul(p, v.to(ct).transpose(1, 2))  # [n, Hkv, m*G, D]
-    o = o.view(n, Hkv, m, G, D).permute(0, 2, 1, 3, 4).reshape(n, m, Hq, D)
-    if m == 1 or bool(valid_q.all()):
-        out.index_copy_(0, q_idx.flatten(), o.reshape(n * m, Hq, D).to(out.dtype))
-    else:
-        out.index_copy_(0, q_idx[valid_q], o[valid_q].to(out.dtype))
+    ct = torch.promote_types(q.dtype, torch.float32)  # fp32 math for fp16/bf16 inputs
+    qh = q.to(ct).mul(scale).view(n, m, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(n, Hkv, m * G, D)
+    # [n, Hkv, L, D] copies whole rows; matmul then reads it transposed for free (a permute
+    # straight to [n, Hkv, D, L] would make it copy element by element)
+    k = k.to(ct).transpose(1, 2).contiguous()
+    s = torch.matmul(qh, k.transpose(2, 3))  # [n, Hkv, m*G, L]
+    hidden = torch.arange(L, device=dev)[None, None, :] > pos[:, :, None]  # [n, m, L]: causal + length
+    s.view(n, Hkv, m, G, L).masked_fill_(hidden[:, None, :, None, :], float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1), v.to(ct).transpose(1, 2))  # [n, Hkv, m*G, D]
+    return o.view(n, Hkv, m, G, D).permute(0, 2, 1, 3, 4).reshape(n, m, Hq, D).to(q.dtype)
 
 
 def write_kv(

@@ -33,6 +33,14 @@ def _write_kv_kernel(
     tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
+def write_kv_meta(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    return dict(
+        H=num_kv_heads, D=head_dim, BS=block_size, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d <= 2048 else 8,
+    )  # fmt: skip
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -45,14 +53,12 @@ def write_kv(
         return
     for t in (k, v, k_cache, v_cache):
         assert t.stride(-1) == 1, "head_dim must be contiguous"
-    BLOCK_H, BLOCK_D = triton.next_power_of_2(H), triton.next_power_of_2(D)
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H=H, D=D, BS=k_cache.shape[1], BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-        num_warps=4 if BLOCK_H * BLOCK_D <= 2048 else 8,
+        **write_kv_meta(H, D, k_cache.shape[1]),
     )  # fmt: skip
 
 
@@ -74,6 +80,10 @@ def _copy_blocks_kernel(
     tl.store(vc_ptr + dst_off, tl.load(vc_ptr + src_off, mask=mask), mask=mask)
 
 
+def copy_blocks_meta(block_numel: int) -> dict:
+    return dict(BLOCK_NUMEL=block_numel, CHUNK=min(4096, triton.next_power_of_2(block_numel)), num_warps=4)
+
+
 def copy_blocks(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -91,9 +101,8 @@ def copy_blocks(
     # a block (bs * Hkv * D elements) is copied as one flat run: it must be contiguous
     assert blocks[0].is_contiguous(), "cache blocks must be contiguous"
     numel = blocks[0].numel()
-    CHUNK = min(4096, triton.next_power_of_2(numel))
-    grid = (src_t.numel(), num_layers, triton.cdiv(numel, CHUNK))
+    meta = copy_blocks_meta(numel)
+    grid = (src_t.numel(), num_layers, triton.cdiv(numel, meta["CHUNK"]))
     _copy_blocks_kernel[grid](
-        k_cache, v_cache, src_t, dst_t, k_cache.stride(0) if layered else 0, blocks.stride(0),
-        BLOCK_NUMEL=numel, CHUNK=CHUNK,
+        k_cache, v_cache, src_t, dst_t, k_cache.stride(0) if layered else 0, blocks.stride(0), **meta
     )  # fmt: skip

@@ -99,6 +99,24 @@ def _prefill_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+def prefill_meta(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options. Tiles shrink as head_dim grows so that the kernel compiles
+    without register spills on sm_80 / sm_90 (see kernels.compile_check); fp32 (no tensor cores,
+    IEEE dots) gets smaller tiles still."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if dtype.itemsize == 2:
+        block_m, block_n, warps = min(128, 8192 // block_d), min(64, 4096 // block_d), 8
+    else:
+        block_m, block_n = 32, 32 if block_d <= 64 else 16
+        warps = 4 if block_d <= 128 else 8
+    return dict(
+        G=group, D=head_dim, BS=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",  # no silent tf32 for fp32 inputs
+        num_warps=warps, num_stages=2,
+    )  # fmt: skip
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -116,12 +134,9 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     if T == 0 or B == 0:
         return out
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_M = 64 if BLOCK_D <= 128 else 32
-    BLOCK_N = 64 if BLOCK_D <= 64 else 32
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    meta = prefill_meta(Hq // Hkv, D, bs, q.dtype)
     # T // BLOCK_M + B bounds the tile count of any split of T tokens into B sequences
-    grid = (T // BLOCK_M + B, Hq)
+    grid = (T // meta["BLOCK_M"] + B, Hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         B,
@@ -130,9 +145,7 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        scale * 1.4426950408889634,
-        G=Hq // Hkv, D=D, BS=bs,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PRECISION=precision,
-        num_warps=4 if BLOCK_D <= 64 else 8, num_stages=2,
+        scale * 1.4426950408889634,  # log2(e): softmax in base 2
+        **meta,
     )  # fmt: skip
     return out
