@@ -234,36 +234,24 @@ async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -
         assert app.history.load(tab.history_id).messages[-1].content == texts[1]
         assert tab.input.value == ""  # the brackets did not land in the input
 
-        # Which alternative continues must be visible in the KV the engine keeps. Pick one whose text
-        # re-tokenizes to a longer common prefix with its own parked sequence than with any other
-        # (re-tokenizing random babble need not give back the sampled tokens), then continue with it.
+        # Which alternative continues must be visible in the KV the engine keeps: the next turn
+        # reuses every computed token of the chosen alternative's own sequence (the last sampled
+        # token has no KV yet), which the other alternatives do not share past the prompt.
         conv = app.llm.conversations[tab.engine_cid]
         assert sorted(seq.index for seq in conv.seqs) == [0, 1, 2], "the engine must park every alternative"
-        follow_up = {"role": "user", "content": "go on"}
-
-        def next_prompt(i: int) -> list[dict[str, str]]:
-            return first_prompt + [{"role": "assistant", "content": texts[i]}, follow_up]
-
-        def reusable(seq, i: int) -> int:
-            new = app.llm.render_chat(next_prompt(i))
-            return next((k for k, (a, b) in enumerate(zip(seq.token_ids, new)) if a != b), min(len(seq), len(new)))
-
         seq_of = {seq.index: seq for seq in conv.seqs}
-
-        def margin(i: int) -> int:  # how much better its own KV fits than the best other one
-            return reusable(seq_of[i], i) - max(reusable(seq_of[j], i) for j in range(3) if j != i)
-
-        choice = max(range(3), key=margin)
-        assert margin(choice) > 0
-        expected_reuse = reusable(seq_of[choice], choice)
+        choice = 2
+        expected_reuse = len(seq_of[choice].token_ids) - 1
         while view.shown != choice:
             await pilot.press("]")
 
         await send(pilot, "go on")
         await wait_for(pilot, lambda: replied(tab) and len(tab.messages) == 4, "the next reply")
-        assert calls[-1] == next_prompt(choice)
+        assert calls[-1] == first_prompt + [{"role": "assistant", "content": texts[choice]},
+                                            {"role": "user", "content": "go on"}]
         usage = tab.last_finished.usage
         assert usage.prompt_tokens - usage.prefilled_tokens == expected_reuse > len(app.llm.render_chat(first_prompt))
+        assert sorted(seq.index for seq in conv.seqs) == [0], "the alternatives not chosen were released"
 
 
 async def test_history_survives_a_restart(tmp_path: Path) -> None:
