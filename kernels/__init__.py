@@ -6,6 +6,7 @@ CUDA and Triton is installed, the PyTorch path otherwise). Triton is imported on
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -28,6 +29,11 @@ def triton_status() -> str:
     return "compiled" if torch.cuda.is_available() else "available (no CUDA: interpreter only)"
 
 
+@functools.cache
+def _triton_compiles() -> bool:
+    return triton_status() == "compiled"
+
+
 def _use_triton(t: torch.Tensor, backend: str | None) -> bool:
     if backend == "triton":
         return True
@@ -35,7 +41,7 @@ def _use_triton(t: torch.Tensor, backend: str | None) -> bool:
         return False
     if backend is not None:
         raise ValueError(f"unknown attention backend {backend!r} (expected 'triton' or 'torch')")
-    return t.is_cuda and triton_status() == "compiled"
+    return t.is_cuda and _triton_compiles()
 
 
 def paged_decode_attention(

@@ -269,6 +269,23 @@ def test_prefill_last_token_equals_decode(backend: str) -> None:
     torch.testing.assert_close(pre, dec, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_q(backend: str) -> None:
+    """q as a view into a fused QKV projection (row stride > Hq * D), as models produce it."""
+    case = make_case([7, 40], [7, 3], 4, 2, 64, 16, torch.float32, seed=6)
+    fused = torch.randn(case.q.shape[0], 8, 64, device=DEVICE)
+    fused[:, 2:6] = case.q
+    case.q = fused[:, 2:6]
+    assert not case.q.is_contiguous()
+    check(run_prefill(case, backend), case, f"prefill {backend} strided q")
+    last = case.cu_seqlens_q[1:].long() - 1
+    fused_dec = torch.randn(2, 8, 64, device=DEVICE)
+    fused_dec[:, 2:6] = case.q[last]
+    dec = make_case([7, 40], [1, 1], 4, 2, 64, 16, torch.float32, seed=6)
+    dec.q = fused_dec[:, 2:6]
+    check(run_decode(dec, backend), dec, f"decode {backend} strided q")
+
+
 def test_backend_dispatch() -> None:
     x = torch.zeros(1, device=DEVICE)
     assert kernels._use_triton(x, "triton") and not kernels._use_triton(x, "torch")
