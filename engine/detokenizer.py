@@ -30,6 +30,10 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # The Rust tokenizer directly, when transformers' decode would add nothing but overhead
+        # (its per-call conversions cost more than the decode itself on the per-token hot path).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._fast_decode = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend
         self.stop = [s for s in stop if s]
         self.stopped = False
         # Only the prompt's tail matters as decoding context.
@@ -60,6 +64,8 @@ class IncrementalDetokenizer:
         return self._release(self._decode_new(final=True), final=True)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_new(self, final: bool) -> str:

@@ -313,7 +313,9 @@ class LLMEngine:
             logits = self.runner.run(batch)
             touched = self._advance(batch)
             rows, seqs = self._expand_samples(batch)
-            tokens = self._sample(logits[rows], seqs) if seqs else []
+            if len(rows) != len(logits):  # n > 1 groups forked: their rows repeat
+                logits = logits[rows]
+            tokens = self._sample(logits, seqs) if seqs else []
         except Exception as e:  # the batch is lost, the engine is not: its requests end with the error
             for group in {s.group.request_id: s.group for s in batch.seqs}.values():
                 self._fail(group, f"{type(e).__name__}: {e}")

@@ -61,8 +61,10 @@ class ModelRunner:
         block_tables = torch.tensor(tables, dtype=torch.int32)
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
         torch.cumsum(count_t, 0, out=cu[1:])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), count_t)
-        positions = start_t[seq_of_token] + torch.arange(len(ids)) - cu[seq_of_token]
+        token_index = torch.arange(len(ids))
+        # Which sequence each token belongs to (searchsorted: repeat_interleave is ~100x slower here).
+        seq_of_token = torch.searchsorted(cu[1:], token_index, right=True)
+        positions = start_t[seq_of_token] + token_index - cu[seq_of_token]
         slots = block_tables[seq_of_token, positions // self.block_size].long() * self.block_size
         slots += positions % self.block_size
         context_lens = (start_t + count_t).to(torch.int32)
