@@ -83,13 +83,14 @@ class EngineThread:
 
     def _run(self) -> None:
         eng = self.engine
-        last_snapshot, dirty = 0.0, False
+        last_snapshot, dirty, rate_shown = 0.0, False, False
         while not self._stop.is_set():
             busy = eng.has_unfinished_requests()
             try:  # block only when idle: no busy loop, ~0 CPU
-                cmd = self._commands.get(block=not busy, timeout=None)
+                # (once more, briefly, so the last snapshot's tokens/s can fall back to 0)
+                cmd = self._commands.get(block=not busy, timeout=2.5 if rate_shown else None)
             except queue.Empty:
-                cmd = None
+                cmd, dirty = None, dirty or rate_shown
             while cmd is not None:
                 if cmd[0] == _SHUTDOWN:
                     return
@@ -108,8 +109,9 @@ class EngineThread:
                 dirty = True
             now = time.monotonic()
             if dirty and (now - last_snapshot >= self.snapshot_interval or not eng.has_unfinished_requests()):
-                self._emit(eng.cache_snapshot())
-                last_snapshot, dirty = now, False
+                snapshot = eng.cache_snapshot()
+                self._emit(snapshot)
+                last_snapshot, dirty, rate_shown = now, False, snapshot.tokens_per_s > 0
 
     def _handle(self, cmd: tuple[Any, ...]) -> bool:
         """Run one command; returns whether the cache may have changed."""
