@@ -1,10 +1,12 @@
 """Vectorised PyTorch paged attention: the CPU production path and the kernels' reference.
 
-Each chunk of work gathers its sequences' K/V whole blocks at a time through the block table
-(one index_select on the pool), pads to the longest, and runs one batched masked softmax in fp32
-(GQA by reshaping q into [Hkv, G], never repeating K/V). Chunks are sized by a memory budget:
-decode chunks the batch; prefill cuts long prompts into query tiles and packs tiles of similar
-key length together.
+Flash attention in a few large tensor ops. Sequences are grouped into chunks of similar context
+length; a chunk walks its query rows in steps, and each step walks the keys up to its last query's
+position in block-aligned slices: gather the slice's K/V through the block tables (one
+index_select on the pool), batched scores with GQA by reshaping q into [Hkv, G] (K/V are never
+repeated), causal/length mask, and an fp32 online softmax across slices. The budgets bound every
+intermediate, so a long context never materialises [T, L] scores or one huge gathered copy.
+Decode is the case of one query row per sequence.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-# Elements of gathered K/V plus scores per chunk: bounds memory on huge batches / contexts, and
-# keeps CPU buffers under glibc's mmap threshold (32 MiB), past which every call page-faults.
-CHUNK_BUDGET = 1 << 22
+# Elements of one gathered K+V slice, and of one fp32 score slice. They keep CPU buffers under
+# glibc's mmap threshold (32 MiB), past which every allocation page-faults afresh, while leaving
+# slices long enough that the per-op overhead is amortised.
+KV_BUDGET = 1 << 22
+SCORE_BUDGET = 1 << 22
 
 
 def paged_decode_attention(
@@ -26,19 +30,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    out = torch.empty_like(q)
-    if B == 0:
-        return out
-    # sequences per chunk so that gathered K/V + scores stay within the budget
-    step = max(1, CHUNK_BUDGET // (int(context_lens.max()) * (2 * Hkv * D + Hq)))
-    for b in range(0, B, step):
-        lens = context_lens[b : b + step]
-        pos = (lens - 1)[:, None]  # the one query sits at the last position
-        o = _attend(q[b : b + step, None], k_cache, v_cache, block_tables[b : b + step], lens, pos, scale)
-        out[b : b + step] = o[:, 0]
-    return out
+    B = q.shape[0]
+    return _paged_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, context_lens.tolist(), scale)
 
 
 def paged_prefill_attention(
@@ -50,82 +43,128 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    T, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
+    starts, q_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q.diff().tolist()
+    return _paged_attention(q, k_cache, v_cache, block_tables, starts, q_lens, context_lens.tolist(), scale)
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: Sequence[int],
+    q_lens: Sequence[int],
+    ctx: Sequence[int],
+    scale: float,
+) -> torch.Tensor:
     out = torch.empty_like(q)
-    kv_row = 2 * Hkv * D
-    # tile = (seq, first token in q, n queries, keys it needs): long prompts are cut so one
-    # tile's scores fit the budget; a later slice of a prompt also needs more keys
-    tiles: list[tuple[int, int, int, int]] = []
-    starts, q_lens, ctx_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q.diff().tolist(), context_lens.tolist()
-    for b, (s, n, c) in enumerate(zip(starts, q_lens, ctx_lens, strict=True)):
-        step = max(1, (CHUNK_BUDGET // max(c, 1) - kv_row) // Hq)
-        for i in range(0, n, step):
-            m = min(step, n - i)
-            tiles.append((b, s + i, m, c - n + i + m))
-    # longest first, so the tiles packed into a chunk pad to similar lengths
-    tiles.sort(key=lambda t: t[3], reverse=True)
+    kv_row = 2 * k_cache.shape[2] * k_cache.shape[3]
+    # longest context first; a chunk grows while one K/V slice of all its sequences fits the
+    # budget at full length and padding at most doubles its query rows
+    order = sorted((b for b in range(len(ctx)) if q_lens[b] > 0), key=lambda b: ctx[b], reverse=True)
     i = 0
-    while i < len(tiles):
-        n_keys, m, j = tiles[i][3], tiles[i][2], i + 1
-        while j < len(tiles) and (j + 1 - i) * n_keys * (kv_row + Hq * max(m, tiles[j][2])) <= CHUNK_BUDGET:
-            m, j = max(m, tiles[j][2]), j + 1
-        seq, start, length, keys = torch.tensor(tiles[i:j], device=q.device).unbind(1)
-        # padding queries repeat their tile's last query, so no score row is fully masked
-        qi = torch.minimum(torch.arange(m, device=q.device)[None, :], length[:, None] - 1)
-        q_idx = start[:, None] + qi
-        pos = keys[:, None] - length[:, None] + qi  # absolute position of each query
-        o = _attend(
-            q.index_select(0, q_idx.flatten()).view(j - i, m, Hq, D),
-            k_cache,
-            v_cache,
-            block_tables.index_select(0, seq),
-            keys,
-            pos,
-            scale,
-        )
-        out[q_idx] = o.to(out.dtype)  # duplicated padding rows write the same values
+    while i < len(order):
+        j, rows, m = i + 1, q_lens[order[i]], q_lens[order[i]]
+        while j < len(order):
+            n, m2, rows2 = j + 1 - i, max(m, q_lens[order[j]]), rows + q_lens[order[j]]
+            if n * ctx[order[i]] * kv_row > KV_BUDGET or n * m2 > 2 * rows2:
+                break
+            j, rows, m = j + 1, rows2, m2
+        seqs = order[i:j]
+        _attend_chunk(
+            q, k_cache, v_cache, block_tables, seqs, [starts[b] for b in seqs],
+            [q_lens[b] for b in seqs], [ctx[b] for b in seqs], m, scale, out,
+        )  # fmt: skip
         i = j
     return out
 
 
-def _attend(
+def _attend_chunk(
     q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seqs: list[int],
+    starts: list[int],
+    q_lens: list[int],
+    ctx: list[int],
+    m: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention for the m (padded) query rows of each of the chunk's sequences, written to out."""
+    n, (_, Hq, D), dev = len(seqs), q.shape, q.device
+    _, bs, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    ct = torch.promote_types(q.dtype, torch.float32)  # fp32 math for fp16 / bf16
+    start, length, keys = (torch.tensor(x, device=dev) for x in (starts, q_lens, ctx))
+    tables = block_tables.index_select(0, torch.tensor(seqs, device=dev))
+    key_step = max(bs, KV_BUDGET // (n * 2 * Hkv * D) // bs * bs)
+    row_step = max(1, SCORE_BUDGET // (n * Hq * min(key_step, max(ctx))))
+    for r0 in range(0, m, row_step):
+        r1 = min(m, r0 + row_step)
+        r = r1 - r0
+        # padding rows repeat their sequence's last query, so every row sees key 0
+        qi = torch.minimum(torch.arange(r0, r1, device=dev)[None, :], length[:, None] - 1)
+        q_idx = start[:, None] + qi
+        pos = keys[:, None] - length[:, None] + qi  # absolute position of each query
+        qh = q[q_idx].to(ct).mul(scale).view(n, r, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(n, Hkv, r * G, D)
+        # keys past the step's last query are causally invisible to all of it: never read
+        k_end = max(c - nq + min(r1, nq) for c, nq in zip(ctx, q_lens, strict=True))
+        m_i = l_i = acc = None
+        for k0 in range(0, k_end, key_step):
+            k, v = _gather_kv(k_cache, v_cache, tables, keys, k0, min(k_end, k0 + key_step), ct)
+            s = torch.matmul(qh, k.transpose(2, 3))  # [n, Hkv, r*G, slice]
+            hidden = torch.arange(k0, k0 + k.shape[2], device=dev)[None, None, :] > pos[:, :, None]
+            s.view(n, Hkv, r, G, -1).masked_fill_(hidden[:, None, :, None, :], float("-inf"))
+            if k_end <= key_step:  # one slice: plain softmax
+                acc, l_i = torch.matmul(torch.softmax(s, dim=-1), v), None
+                break
+            # online softmax; the first slice holds key 0 for every row, so m_i is finite after it
+            m_new = s.amax(-1) if m_i is None else torch.maximum(m_i, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            if m_i is None:
+                l_i, acc = p.sum(-1), torch.matmul(p, v)
+            else:
+                alpha = torch.exp(m_i - m_new)
+                l_i = l_i * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + torch.matmul(p, v)
+            m_i = m_new
+        o = acc if l_i is None else acc / l_i[..., None]  # [n, Hkv, r*G, D]
+        # duplicated padding rows write identical values
+        out[q_idx] = o.view(n, Hkv, r, G, D).permute(0, 2, 1, 3, 4).reshape(n, r, Hq, D).to(out.dtype)
+
+
+def _gather_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     tables: torch.Tensor,
     key_lens: torch.Tensor,
-    pos: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """q: [n, m, Hq, D] at absolute positions pos: [n, m], each row attending causally to keys
-    [0, key_lens) of its table's sequence. Returns [n, m, Hq, D] in q's dtype."""
-    n, m, Hq, D = q.shape
-    _, bs, Hkv, _ = k_cache.shape
-    G = Hq // Hkv
-    dev = q.device
-    nb = -(-int(key_lens.max()) // bs)
-    L = nb * bs
+    k0: int,
+    k1: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [k0, k1) (k0 block-aligned) of each table's sequence as K, V: [n, Hkv, slice, D] in
+    dtype, the slice rounded up to whole blocks; V at or past each sequence's length is zero."""
+    _, bs, Hkv, D = k_cache.shape
+    n, dev = tables.shape[0], tables.device
+    b0, b1 = k0 // bs, -(-k1 // bs)
+    L = (b1 - b0) * bs
     # table entries past a sequence's blocks are padding (any value): point them at block 0
-    bt = tables[:, :nb].long()
-    bt = bt.masked_fill(torch.arange(nb, device=dev)[None, :] * bs >= key_lens[:, None], 0)
-    k = k_cache.index_select(0, bt.flatten()).view(n, L, Hkv, D)
-    v = v_cache.index_select(0, bt.flatten()).view(n, L, Hkv, D)
-    past_end = torch.arange(L, device=dev)[None, :] >= key_lens[:, None]  # [n, L]
+    idx = tables[:, b0:b1].long()
+    idx = idx.masked_fill(torch.arange(b0, b1, device=dev)[None, :] * bs >= key_lens[:, None], 0).flatten()
+    k = k_cache.index_select(0, idx).view(n, L, Hkv, D).transpose(1, 2)
+    v = v_cache.index_select(0, idx).view(n, L, Hkv, D).transpose(1, 2)
+    if k.dtype != dtype or (n > 1 and Hkv > 1):
+        # one pass that converts and lays heads out as batches: matmul can then read K
+        # transposed for free, instead of copying [n, Hkv] batches element by element
+        k = torch.empty(n, Hkv, L, D, dtype=dtype, device=dev).copy_(k)
+        v = torch.empty(n, Hkv, L, D, dtype=dtype, device=dev).copy_(v)
+    past_end = torch.arange(k0, k0 + L, device=dev)[None, :] >= key_lens[:, None]  # [n, L]
     if bool(past_end.any()):
-        # those slots hold garbage (maybe NaN) and 0 * NaN would leak through p @ v
-        v.view(n * L, Hkv * D).index_fill_(0, past_end.flatten().nonzero().squeeze(1), 0)
-
-    ct = torch.promote_types(q.dtype, torch.float32)  # fp32 math for fp16/bf16 inputs
-    qh = q.to(ct).mul(scale).view(n, m, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(n, Hkv, m * G, D)
-    # [n, Hkv, L, D] copies whole rows; matmul then reads it transposed for free (a permute
-    # straight to [n, Hkv, D, L] would make it copy element by element)
-    k = k.to(ct).transpose(1, 2).contiguous()
-    s = torch.matmul(qh, k.transpose(2, 3))  # [n, Hkv, m*G, L]
-    hidden = torch.arange(L, device=dev)[None, None, :] > pos[:, :, None]  # [n, m, L]: causal + length
-    s.view(n, Hkv, m, G, L).masked_fill_(hidden[:, None, :, None, :], float("-inf"))
-    o = torch.matmul(torch.softmax(s, dim=-1), v.to(ct).transpose(1, 2))  # [n, Hkv, m*G, D]
-    return o.view(n, Hkv, m, G, D).permute(0, 2, 1, 3, 4).reshape(n, m, Hq, D).to(q.dtype)
+        # those slots hold garbage (maybe NaN), and 0 * NaN would leak through p @ v
+        v.masked_fill_(past_end[:, None, :, None], 0)
+    return k, v
 
 
 def write_kv(

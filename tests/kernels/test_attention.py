@@ -167,16 +167,41 @@ def test_prefill_torch(hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype) -
     check(run_prefill(case, "torch"), case, f"prefill torch {dtype}")
 
 
-def test_torch_chunking_matches_single_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tiny budget splits the work into many chunks and query slices: same result."""
+@pytest.mark.parametrize("kv_budget,score_budget", [(20_000, 5_000), (60_000, 30_000)])
+def test_torch_chunking_matches_single_chunk(
+    monkeypatch: pytest.MonkeyPatch, kv_budget: int, score_budget: int
+) -> None:
+    """Small budgets split the torch path into several sequence chunks (one sequence each, or a
+    few padded together), query-row steps and key slices (online softmax): same result."""
     from kernels import reference
 
     ctx, new = prefill_lens(16)
     case = make_case(ctx + [300], new + [200], 6, 2, 64, 16, torch.float32, seed=7)
     whole = run_prefill(case, "torch")
-    monkeypatch.setattr(reference, "CHUNK_BUDGET", 20_000)
+    chunk_sizes: list[int] = []
+    chunk = reference._attend_chunk
+    monkeypatch.setattr(reference, "_attend_chunk", lambda *a: chunk_sizes.append(len(a[4])) or chunk(*a))
+    gathers: list[int] = []
+    gather = reference._gather_kv
+    monkeypatch.setattr(reference, "_gather_kv", lambda *a: gathers.append(a[4]) or gather(*a))
+    monkeypatch.setattr(reference, "KV_BUDGET", kv_budget)
+    monkeypatch.setattr(reference, "SCORE_BUDGET", score_budget)
     chunked = run_prefill(case, "torch")
+    assert any(k0 > 0 for k0 in gathers)  # some keys came in a later slice: online softmax ran
+    # every sequence once; the long ones alone, short ones padded together
+    assert sum(chunk_sizes) == len(ctx) + 1 and 1 in chunk_sizes and max(chunk_sizes) > 1, chunk_sizes
     check(chunked, case, "prefill torch chunked")
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+
+
+def test_torch_decode_chunking_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import reference
+
+    case = make_case(decode_lens(8) + [200], [1] * 6, 4, 2, 64, 8, torch.float32, seed=8)
+    whole = run_decode(case, "torch")
+    monkeypatch.setattr(reference, "KV_BUDGET", 2 * 200 * 2 * 2 * 64)  # two sequences per chunk
+    chunked = run_decode(case, "torch")
+    check(chunked, case, "decode torch chunked")
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
 
 
