@@ -1,0 +1,5 @@
+"""`rosechat bench`: the rosechat engine side by side with `transformers`, in one process."""
+
+from rosechat.bench.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,226 @@
+"""`rosechat bench [chat|multiturn|random|decode-overhead] [options]`: the rosechat engine next to
+`transformers` in one process, on the same weights, dtype and thread count."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rosechat.bench import workloads
+from rosechat.bench.decode import DecodeReport, measure_decode
+from rosechat.bench.report import build_report, render
+from rosechat.bench.roofline import measure_machine, model_cost
+from rosechat.bench.systems import (
+    CONTINUOUS,
+    GENERATE,
+    NO_PREFIX_CACHE,
+    ROSECHAT,
+    SYSTEMS,
+    BenchError,
+    ContinuousBatchingRunner,
+    GenerateRunner,
+    RosechatRunner,
+    Runner,
+    SystemResult,
+    run_workload,
+)
+from rosechat.bench.twin import Verifier, build_twin
+
+WORKLOADS = ("chat", "multiturn", "random", "decode-overhead")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _int_list(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _range(s: str) -> tuple[int, int]:
+    lo, _, hi = s.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rosechat bench",
+        description="Benchmark the rosechat engine against transformers generate() and continuous batching "
+        "(same weights, dtype and threads); every system's greedy output is checked against transformers first.",
+    )
+    p.add_argument("workload", nargs="?", default="chat", choices=WORKLOADS)
+    p.add_argument("--model", default="demo-135m", help="local folder, hub id, or demo / demo-135m (default)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, every system")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--profile", metavar="DIR", type=Path, help="write a PyTorch profiler trace of decode steps")
+    p.add_argument("--seed", type=int, default=0)
+    w = p.add_argument_group("workload sizes (defaults per workload)")
+    w.add_argument("--conversations", type=int, help="chat: 8, multiturn: 4")
+    w.add_argument("--turns", type=int, help="multiturn: 4")
+    w.add_argument("--system-tokens", type=int, help="shared system prompt (chat: 512, multiturn: 256)")
+    w.add_argument("--user-tokens", type=int, help="per user message (chat: 64, multiturn: 32)")
+    w.add_argument("--max-tokens", type=int, help="new tokens per reply (chat: 128, multiturn: 32)")
+    w.add_argument("--requests", type=int, help="random: 16")
+    w.add_argument("--prompt-range", type=_range, metavar="MIN-MAX", help="random: 16-512")
+    w.add_argument("--output-range", type=_range, metavar="MIN-MAX", help="random: 16-128")
+    d = p.add_argument_group("decode-step overhead (a section of `chat`, or the `decode-overhead` workload)")
+    d.add_argument("--decode-overhead", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure it (default: with chat only)")
+    d.add_argument("--decode-batches", type=_int_list, default=[8, 64], metavar="N,N")
+    d.add_argument("--decode-context", type=int, default=128, help="prompt tokens per sequence")
+    d.add_argument("--decode-steps", type=int, default=8, help="measured steps per batch size")
+    e = p.add_argument_group("engine (rosechat; continuous batching gets the same block size, pool and budget)")
+    e.add_argument("--block-size", type=int)
+    e.add_argument("--kv-cache-mib", type=int)
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--max-batched-tokens", type=int)
+    e.add_argument("--backend", choices=("torch", "triton"))
+    return p
+
+
+def _workload(args: argparse.Namespace, src: workloads.TokenSource) -> workloads.Workload:
+    def given(**kw: Any) -> dict[str, Any]:
+        return {k: v for k, v in kw.items() if v is not None}
+
+    if args.workload == "chat":
+        return workloads.chat(src, **given(conversations=args.conversations, system_tokens=args.system_tokens,
+                                           user_tokens=args.user_tokens, max_tokens=args.max_tokens))
+    if args.workload == "multiturn":
+        return workloads.multiturn(src, **given(conversations=args.conversations, turns=args.turns,
+                                                system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                                                max_tokens=args.max_tokens))
+    return workloads.random_requests(src, **given(requests=args.requests, prompt_range=args.prompt_range,
+                                                  output_range=args.output_range), seed=args.seed)
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts = {
+        "dtype": args.dtype,
+        "device": "cpu",
+        "block_size": args.block_size,
+        "kv_cache_bytes": args.kv_cache_mib << 20 if args.kv_cache_mib else None,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_batched_tokens,
+        "attention_backend": args.backend,
+    }
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _verify(result: SystemResult, verifier: Verifier) -> None:
+    if result.mismatch is None:
+        for i, (stream, generated) in enumerate(zip(result.streams, result.generated)):
+            problem = verifier.check(stream, generated)
+            if problem:
+                result.mismatch = f"conversation {i}: {problem}"
+                break
+    result.outputs_match = result.mismatch is None
+
+
+def _runner_factories(args: argparse.Namespace, names: list[str], loaded: Any, twin: Any,
+                      workload: workloads.Workload) -> list[Callable[[], Runner]]:
+    from engine import EngineConfig, LLMEngine
+
+    opts = _engine_options(args)
+    multi_turn = workload.num_rounds > 1
+    pad = loaded.tokenizer.pad_token_id
+    pad = pad if pad is not None else (loaded.eos_token_ids or [0])[0]
+    config = EngineConfig(model=loaded.name, **opts)
+    factories: dict[str, Callable[[], Runner]] = {
+        ROSECHAT: lambda: RosechatRunner(ROSECHAT, loaded, opts, prefix_caching=True, conversations=multi_turn),
+        NO_PREFIX_CACHE: lambda: RosechatRunner(NO_PREFIX_CACHE, loaded, opts, prefix_caching=False,
+                                                conversations=multi_turn),
+        GENERATE: lambda: GenerateRunner(twin, pad),
+    }
+    if ContinuousBatchingRunner.available(twin):
+        # the same paged pool as rosechat: block size, number of blocks, tokens per step
+        pool = LLMEngine(loaded, config).block_manager.num_blocks
+        factories[CONTINUOUS] = lambda: ContinuousBatchingRunner(
+            twin, pad, page_size=config.block_size, num_blocks=pool, max_batch_tokens=config.max_num_batched_tokens
+        )
+    return [factories[n] for n in names if n in factories]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    from engine.loader import load_model
+
+    t_start = time.perf_counter()
+    load_before = _load()
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(SYSTEMS))
+    if unknown:
+        raise BenchError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    dtype = getattr(torch, args.dtype)
+
+    _log(f"loading {args.model} ({args.dtype}, {args.threads} threads)")
+    loaded = load_model(args.model, dtype=dtype, device="cpu")
+    src = workloads.TokenSource(loaded.tokenizer, args.seed)
+    machine = measure_machine(dtype)
+    cost = model_cost(loaded, dtype)
+
+    workload = None if args.workload == "decode-overhead" else _workload(args, src)
+    results: list[SystemResult] = []
+    if workload is not None:
+        twin = build_twin(loaded, dtype)
+        verifier = Verifier(twin)
+        warm_prompt = src.take(16)
+        for factory in _runner_factories(args, names, loaded, twin, workload):
+            runner = factory()
+            _log(f"{runner.name}: {workload.name} ({workload.summary})")
+            runner.warmup(warm_prompt)
+            result = run_workload(runner, workload)
+            del runner  # frees its KV pool before the next system allocates one
+            _verify(result, verifier)
+            _log(f"{result.name}: {result.wall_s:.1f} s, outputs {'match' if result.outputs_match else 'DIFFER'}")
+            results.append(result)
+
+    decode: DecodeReport | None = None
+    want_decode = args.decode_overhead if args.decode_overhead is not None else args.workload in ("chat",
+                                                                                                  "decode-overhead")
+    if want_decode or args.workload == "decode-overhead":
+        _log(f"decode-step overhead at {args.decode_batches} sequences, {args.decode_context}-token prompts")
+        decode = measure_decode(loaded, _engine_options(args), src, batches=args.decode_batches,
+                                context=args.decode_context, steps=args.decode_steps, profile_dir=args.profile)
+
+    header = {
+        "model": loaded.name,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "device": "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_before": load_before,
+        "load_after": _load(),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    return build_report(workload=workload, header=header, results=results, machine=machine, cost=cost,
+                        decode=decode)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except BenchError as e:
+        print(f"rosechat bench: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if all(s["outputs_match"] for s in report["systems"]) else 1

@@ -1,0 +1,81 @@
+"""The `transformers` twin of the engine's model (same weights, same dtype) and the output check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TOLERANCE = 1e-3  # a chosen token may score this far below the best logit (random weights make near-ties)
+
+
+def build_twin(loaded: Any, dtype: torch.dtype) -> Any:
+    """A transformers model with exactly the engine model's weights.
+
+    Built from the same config, then filled by inverting the engine loader's name mapping
+    (`weight_target`): merged q/k/v and gate/up rows are split back into their projections."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype, attn_implementation="sdpa")
+    engine_model = loaded.model
+    params = dict(engine_model.named_parameters())
+    missing = []
+    with torch.no_grad():
+        for name, dst in model.state_dict().items():
+            target = engine_model.weight_target(name)
+            if target is None:  # a tied head, a rotary or mask buffer
+                continue
+            param_name, shard, transpose = target
+            if param_name not in params:
+                missing.append(name)
+                continue
+            src = params[param_name]
+            if shard is not None:
+                start, rows = engine_model.get_submodule(param_name.rpartition(".")[0]).shard_rows(shard)
+                src = src.narrow(0, start, rows)
+            dst.copy_(src.t() if transpose else src)
+    if missing:
+        raise ValueError(f"the transformers model has parameters the engine model lacks: {missing[:5]}")
+    # ignore_eos for generate(): a None here is not refilled from the model's defaults
+    model.generation_config.eos_token_id = None
+    return model.eval().requires_grad_(False)
+
+
+class Verifier:
+    """Checks greedy outputs against the twin: fed a conversation's whole token stream, the twin must
+    score every generated token within TOLERANCE of its best logit. Results are cached, so systems
+    that produced the same tokens cost one forward pass."""
+
+    def __init__(self, model: Any, tolerance: float = TOLERANCE) -> None:
+        self.model = model
+        self.tolerance = tolerance
+        self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], str | None] = {}
+
+    def check(self, tokens: list[int], generated: list[int]) -> str | None:
+        """None if every tokens[p], p in `generated`, is an argmax (within tolerance) of the logits at
+        p - 1; else what went wrong, for the report."""
+        key = (tuple(tokens), tuple(generated))
+        if key not in self._cache:
+            self._cache[key] = self._check(tokens, generated)
+        return self._cache[key]
+
+    @torch.inference_mode()
+    def _check(self, tokens: list[int], generated: list[int]) -> str | None:
+        if not generated:
+            return None
+        end = max(generated)
+        hidden = self.model.base_model(input_ids=torch.tensor([tokens[:end]])).last_hidden_state[0]
+        rows = torch.tensor([p - 1 for p in generated])
+        logits = self.model.get_output_embeddings()(hidden[rows]).float()
+        chosen_ids = torch.tensor([tokens[p] for p in generated])
+        chosen = logits.gather(1, chosen_ids[:, None])[:, 0]
+        best, best_ids = logits.max(dim=-1)
+        gap = best - chosen
+        bad = (gap > self.tolerance).nonzero()
+        if bad.numel() == 0:
+            return None
+        i = int(bad[0, 0])
+        return (
+            f"token {generated[i]} (#{i} of {len(generated)} generated): chose {int(chosen_ids[i])}, which scores "
+            f"{float(gap[i]):.3g} below the best ({int(best_ids[i])}); {bad.shape[0]} such token(s)"
+        )

@@ -1,0 +1,118 @@
+"""`rosechat bench` end to end on a tiny random model: JSON shape, outputs checked against
+transformers, prefix caching visible in prefill tokens and KV blocks, the multi-turn accounting,
+the decode-overhead section and the profiler trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rosechat.bench import main
+from rosechat.bench.systems import CONTINUOUS, GENERATE, NO_PREFIX_CACHE, ROSECHAT
+from rosechat.bench.twin import Verifier, build_twin
+from tests.helpers import make_tiny_model
+
+SYSTEM_KEYS = {
+    "name": str, "output_tok_s": float, "total_tok_s": float, "ttft_p50_s": float, "ttft_p95_s": float,
+    "prefill_tokens": int, "peak_kv_bytes": int, "outputs_match": bool,
+}
+CHAT = dict(conversations=3, system_tokens=48, user_tokens=8, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("bench") / "tiny", "llama")
+
+
+def run_bench(capsys: pytest.CaptureFixture, *argv: str) -> dict:
+    threads = torch.get_num_threads()
+    try:
+        code = main([*argv, "--json", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)  # the bench sets it process-wide
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    return report
+
+
+def test_chat_json_matches_and_shares_the_system_prompt(tiny: Path, tmp_path: Path, capsys) -> None:
+    c = CHAT
+    report = run_bench(
+        capsys, "chat", "--model", str(tiny),
+        "--conversations", str(c["conversations"]), "--system-tokens", str(c["system_tokens"]),
+        "--user-tokens", str(c["user_tokens"]), "--max-tokens", str(c["max_tokens"]),
+        "--decode-batches", "2,4", "--decode-context", "20", "--decode-steps", "2", "--profile", str(tmp_path),
+    )
+    assert report["workload"] == "chat" and report["model"] == "tiny" and report["threads"] == 1
+    systems = {s["name"]: s for s in report["systems"]}
+    assert list(systems) == [ROSECHAT, NO_PREFIX_CACHE, GENERATE, CONTINUOUS]
+    prompt_len = c["system_tokens"] + c["user_tokens"]
+    for name, s in systems.items():
+        for key, kind in SYSTEM_KEYS.items():
+            assert isinstance(s[key], kind), (name, key, s[key])
+        assert s["outputs_match"] is True, (name, s.get("mismatch"))
+        assert s["output_tokens"] == c["conversations"] * c["max_tokens"]
+        assert s["prompt_tokens"] == c["conversations"] * prompt_len
+        assert s["output_tok_s"] > 0 and s["total_tok_s"] > s["output_tok_s"]
+        assert 0 < s["ttft_p50_s"] <= s["ttft_p95_s"]
+        assert s["peak_kv_bytes"] > 0
+        assert s["vs_generate"]["output_tok_s"] == pytest.approx(s["output_tok_s"] / systems[GENERATE]["output_tok_s"])
+
+    rc, plain = systems[ROSECHAT], systems[NO_PREFIX_CACHE]
+    # the shared system prompt is computed once with the prefix cache, for every request without
+    assert rc["prefill_tokens"] < plain["prefill_tokens"] == c["conversations"] * prompt_len
+    assert rc["peak_kv_bytes"] < rc["peak_kv_bytes_without_sharing"]
+    assert rc["peak_kv_blocks"] < rc["peak_kv_blocks_without_sharing"]
+    assert plain["peak_kv_blocks"] == plain["peak_kv_blocks_without_sharing"]
+    # generate() computes every prompt (same length here: no padding); its cache holds prompt + outputs - 1
+    assert systems[GENERATE]["prefill_tokens"] == c["conversations"] * prompt_len
+    kv_per_token = report["roofline"]["model"]["kv_bytes_per_token"]
+    assert systems[GENERATE]["peak_kv_bytes"] == c["conversations"] * (prompt_len + c["max_tokens"] - 1) * kv_per_token
+
+    roof = report["roofline"]
+    assert roof["matmul_gflops"] > 0 and roof["mem_bw_gbs"] > 0
+    assert 0 < roof["rosechat_decode"]["fraction"] and roof["rosechat_decode"]["limit_ms"] > 0
+    decode = report["decode_overhead"]["batches"]
+    assert [d["num_seqs"] for d in decode] == [2, 4]
+    for d in decode:
+        assert 0 < d["model_ms"] and 0 < d["host_ms"] < d["step_ms"]
+        assert d["other_ms"] >= 0  # per step, host time holds scheduling, preparation and sampling
+    assert {t["name"] for t in report["targets"]} >= {"decode step / model math at 4 seqs",
+                                                     "rosechat peak KV blocks / without sharing"}
+    trace = json.loads(Path(report["profile"]["trace"]).read_text())
+    assert trace["traceEvents"] and report["profile"]["top_self_cpu"]
+
+
+def test_multiturn_prefills_only_what_each_turn_adds(tiny: Path, capsys) -> None:
+    convs, turns, user = 2, 3, 8
+    report = run_bench(
+        capsys, "multiturn", "--model", str(tiny), "--systems", f"{ROSECHAT},{NO_PREFIX_CACHE},{GENERATE}",
+        "--conversations", str(convs), "--turns", str(turns), "--system-tokens", "40", "--user-tokens", str(user),
+        "--max-tokens", "5",
+    )
+    assert all(s["outputs_match"] for s in report["systems"])
+    later = report["turns"][1:]
+    assert [t["turn"] for t in later] == list(range(2, turns + 1))
+    for t in later:
+        assert t["new_tokens"] == convs * user
+        # the parked conversation computes its new message plus the last reply token, never fed back
+        assert t["prefill_tokens"][ROSECHAT] == t["prefill_tokens"][NO_PREFIX_CACHE] == t["new_tokens"] + convs
+        assert t["prefill_tokens"][GENERATE] == t["prompt_tokens"]  # the whole history, again
+
+
+def test_verifier_rejects_a_token_that_is_not_the_argmax(tiny: Path) -> None:
+    from engine.loader import load_model
+
+    loaded = load_model(str(tiny))
+    twin = build_twin(loaded, torch.float32)
+    prompt = [10, 20, 30, 40]
+    with torch.no_grad():
+        logits = twin(torch.tensor([prompt])).logits[0, -1]
+    best, worst = int(logits.argmax()), int(logits.argmin())
+    verifier = Verifier(twin)
+    assert verifier.check(prompt + [best], [len(prompt)]) is None
+    problem = verifier.check(prompt + [worst], [len(prompt)])
+    assert problem is not None and f"chose {worst}" in problem
