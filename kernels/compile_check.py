@@ -23,7 +23,8 @@ _TL = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def compile_kernel(kernel, ptr_types: dict[str, str], meta: dict, arch: int) -> tuple[int, int]:
-    """Compile one specialisation; returns (registers, spill bytes) per thread from ptxas -v."""
+    """Compile one specialisation (meta: constexprs, runtime arguments pinned to constants, and
+    launch options); returns (registers, spill bytes) per thread from ptxas -v."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -69,13 +70,17 @@ def variants(quick: bool):
     for dtype, d, g in grid:
         ptrs = {"q_ptr", "k_ptr", "v_ptr", "out_ptr"}
         types = {p: "*" + _TL[dtype] for p in ptrs} | idx
-        for splits in (1, 4):
-            meta = triton_decode.stage1_meta(g, d, 16, splits, dtype)
-            yield f"decode {_TL[dtype]} d={d} G={g} splits={splits}", triton_decode._decode_stage1, types, meta
+        # Triton specialises integer arguments equal to 1 into constants (one split, one sequence)
+        meta = triton_decode.stage1_meta(g, d, 16, False, dtype) | {"num_splits": 1}
+        yield f"decode {_TL[dtype]} d={d} G={g} one split", triton_decode._decode_stage1, types, meta
+        meta = triton_decode.stage1_meta(g, d, 16, True, dtype)
+        yield f"decode {_TL[dtype]} d={d} G={g} split", triton_decode._decode_stage1, types, meta
         meta = triton_decode.merge_meta(d, 4, meta["BLOCK_N"])
         yield f"merge {_TL[dtype]} d={d}", triton_decode._decode_merge, types, meta
         meta = triton_prefill.prefill_meta(g, d, 16, dtype)
         yield f"prefill {_TL[dtype]} d={d} G={g}", triton_prefill._prefill_kernel, types, meta
+        meta |= {"num_seqs": 1}
+        yield f"prefill {_TL[dtype]} d={d} G={g} one sequence", triton_prefill._prefill_kernel, types, meta
     for dtype in DTYPES.values():
         types = {p: "*" + _TL[dtype] for p in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
         meta = triton_cache.write_kv_meta(8, 128, 16)

@@ -8,6 +8,8 @@ split writes a normalised partial and its log-sum-exp, and stage 2 merges the sp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,8 +26,8 @@ def _decode_stage1(
     stride_vb, stride_vs, stride_vh,
     stride_btb,
     stride_ob, stride_oh,
-    scale_log2,
-    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    scale_log2, num_splits,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
@@ -33,7 +35,7 @@ def _decode_stage1(
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
     # splits are whole BLOCK_N tiles; short sequences leave their trailing splits empty
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     if start >= end:
@@ -82,12 +84,12 @@ def _decode_stage1(
 
     acc = acc / l_i[:, None]
     out_mask = mask_g[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # partials: [B, Hq, NUM_SPLITS, D] fp32, lse: [B, Hq, NUM_SPLITS] (log2 domain)
-        row = (b * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        row = (b * (G * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=out_mask)
         tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
 
@@ -96,19 +98,19 @@ def _decode_stage1(
 def _decode_merge(
     part_ptr, lse_ptr, ctx_ptr, out_ptr,
     stride_ob, stride_oh,
-    D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_splits,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     # empty splits wrote nothing: their buffer rows are garbage, mask them out
-    mask_s = (offs_s < NUM_SPLITS) & (offs_s * split_len < ctx)
+    mask_s = (offs_s < num_splits) & (offs_s * split_len < ctx)
     mask_d = offs_d < D
-    row = (b * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
+    row = (b * tl.num_programs(1) + h) * num_splits + offs_s
     lse = tl.load(lse_ptr + row, mask=mask_s, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     w = w / tl.sum(w, 0)
@@ -117,15 +119,16 @@ def _decode_merge(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-def stage1_meta(group: int, head_dim: int, block_size: int, num_splits: int, dtype: torch.dtype) -> dict:
-    """Constexprs and launch options of stage 1. About 32 K (or V) elements per thread per tile:
+def stage1_meta(group: int, head_dim: int, block_size: int, split: bool, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options of stage 1 (the split count itself is a runtime argument, so
+    varying batches don't trigger recompiles). About 32 K (or V) elements per thread per tile:
     compiles without register spills on sm_80 / sm_90 for head_dim <= 256 in fp16, bf16 and fp32
     (see kernels.compile_check)."""
     elem = dtype.itemsize
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if elem == 2 or block_d <= 128 else 16
     return dict(
-        G=group, D=head_dim, BS=block_size, NUM_SPLITS=num_splits,
+        G=group, D=head_dim, BS=block_size, SPLIT=split,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         PRECISION="ieee" if dtype == torch.float32 else "tf32",  # no silent tf32 for fp32 inputs
         num_warps=4 if block_n * block_d * elem <= 8192 else 8, num_stages=2,
@@ -134,11 +137,12 @@ def stage1_meta(group: int, head_dim: int, block_size: int, num_splits: int, dty
 
 def merge_meta(head_dim: int, num_splits: int, block_n: int) -> dict:
     return dict(
-        D=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        D=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n, num_warps=4,
     )  # fmt: skip
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -170,7 +174,7 @@ def paged_decode_attention(
     if num_splits is None:
         # the table width bounds every context without a device sync
         num_splits = choose_num_splits(B, Hkv, block_tables.shape[1] * bs, q.device)
-    meta = stage1_meta(Hq // Hkv, D, bs, num_splits, q.dtype)
+    meta = stage1_meta(Hq // Hkv, D, bs, num_splits > 1, q.dtype)
     if num_splits > 1:
         part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
@@ -184,12 +188,14 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         scale * 1.4426950408889634,  # log2(e): softmax in base 2
+        num_splits,
         **meta,
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge[(B, Hq)](
             part, lse, context_lens, out,
             out.stride(0), out.stride(1),
+            num_splits,
             **merge_meta(D, num_splits, meta["BLOCK_N"]),
         )  # fmt: skip
     return out

@@ -20,4 +20,4 @@ def test_kernels_compile_without_spills(arch: int) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "all compiled without spills" in r.stdout
-    assert r.stdout.count("\nok ") + r.stdout.startswith("ok ") >= 10  # every variant was built
+    assert r.stdout.count("\nok ") + r.stdout.startswith("ok ") >= 14  # every variant was built
