@@ -1,15 +1,7 @@
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-
-# Plain `pytest` (unlike `python -m pytest`) leaves the repo root off sys.path, and then this
-# directory (no __init__.py) shadows the real `kernels` package as a namespace package.
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 
 @pytest.fixture(autouse=True)
