@@ -127,11 +127,15 @@ def measure_decode(
 ) -> DecodeReport:
     batches = sorted(set(batches), reverse=True)
     largest = batches[0]
-    max_tokens = len(batches) * (steps + WARM_STEPS) + PROFILE_STEPS + 4  # nobody finishes while measured
-    block_size = engine_options.get("block_size", 16)
-    blocks = largest * -(-(context + max_tokens) // block_size) + 4
-    options = {**engine_options, "num_blocks": blocks, "max_num_seqs": max(largest, engine_options.get(
-        "max_num_seqs", 0))}
+    base = EngineConfig(model=loaded.name, **engine_options)
+    # Nobody may finish while measured: the early sequences also decode while later ones still prefill.
+    prefill_steps = -(-largest * context // base.max_num_batched_tokens)
+    max_tokens = len(batches) * (steps + WARM_STEPS) + PROFILE_STEPS + prefill_steps + 8
+    options = {
+        **engine_options,
+        "num_blocks": largest * -(-(context + max_tokens) // base.block_size) + 4,
+        "max_num_seqs": max(largest, base.max_num_seqs),
+    }
     engine = LLMEngine(loaded, EngineConfig(model=loaded.name, **options))
     probe = StepProbe(engine)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
