@@ -30,8 +30,35 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    B = q.shape[0]
-    return _paged_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, context_lens.tolist(), scale)
+    """One query per sequence: gather each sequence's keys token by token and run the fused SDPA
+    kernel, a chunk of sequences at a time (a chunk's gathered K+V stays within KV_BUDGET)."""
+    B, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    ctx = context_lens.tolist()
+    if q.dtype != k_cache.dtype or q.dtype not in (torch.float32, torch.float64) or max(ctx) * 2 * Hkv * D > KV_BUDGET:
+        # fp16/bf16 (fp32 math wanted) and very long contexts: the sliced online-softmax path
+        return _paged_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, ctx, scale)
+    out = torch.empty_like(q)
+    k_rows, v_rows = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    order = sorted(range(B), key=ctx.__getitem__, reverse=True)
+    i = 0
+    while i < B:
+        n = max(1, min(B - i, KV_BUDGET // (ctx[order[i]] * 2 * Hkv * D)))
+        seqs = torch.tensor(order[i : i + n], device=q.device)
+        lens = context_lens.index_select(0, seqs).long()
+        L = ctx[order[i]]
+        # Positions past a sequence's length re-read its last token (never garbage or another
+        # sequence's slot) and are masked out of the softmax.
+        pos = torch.minimum(torch.arange(L, device=q.device)[None, :], lens[:, None] - 1)
+        slots = block_tables.index_select(0, seqs).long().gather(1, pos // bs) * bs + pos % bs
+        k = k_rows.index_select(0, slots.flatten()).view(n, L, Hkv, D).transpose(1, 2)
+        v = v_rows.index_select(0, slots.flatten()).view(n, L, Hkv, D).transpose(1, 2)
+        mask = (torch.arange(L, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        qh = q.index_select(0, seqs).view(n, Hkv, Hq // Hkv, D)  # GQA: a head group is a query row block
+        o = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+        out.index_copy_(0, seqs, o.reshape(n, Hq, D))
+        i += n
+    return out
 
 
 def paged_prefill_attention(
