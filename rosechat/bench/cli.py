@@ -117,6 +117,22 @@ def _log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _source_version() -> str | None:
+    """The checkout's commit, "+dirty" when engine/ or kernels/ have uncommitted changes (figures
+    move with them); None outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "engine", "kernels"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -207,6 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "source": _source_version(),
         "load_before": load_before,
         "load_after": _load(),
         "wall_s": time.perf_counter() - t_start,

@@ -46,6 +46,7 @@ class StepProbe:
         bm = engine.block_manager
         runner = engine.runner
         self.block_bytes = (runner.k_cache.nbytes + runner.v_cache.nbytes) // bm.num_blocks
+        self.blocks = self.blocks_unshared = 0  # right after the latest schedule
         self.peak_blocks = 0
         self.peak_blocks_unshared = 0  # the same holders' blocks if nothing were shared
         self.last_inputs: tuple | None = None  # runner.prepare's result in the latest step
@@ -70,10 +71,12 @@ class StepProbe:
 
     def _after_schedule(self, batch: Any) -> None:
         bm = self.engine.block_manager
-        self.peak_blocks = max(self.peak_blocks, bm.num_blocks - bm.num_free_blocks)
-        # == sum of refcounts (CacheSnapshot.blocks_without_sharing), at O(sequences) instead of O(blocks)
-        unshared = sum(len(seq.block_table) for seq in bm.holders.values())
-        self.peak_blocks_unshared = max(self.peak_blocks_unshared, unshared)
+        # CacheSnapshot.used_blocks and .blocks_without_sharing (the sum of refcounts), at
+        # O(sequences) instead of O(blocks) per step
+        self.blocks = bm.num_blocks - bm.num_free_blocks
+        self.blocks_unshared = sum(len(seq.block_table) for seq in bm.holders.values())
+        self.peak_blocks = max(self.peak_blocks, self.blocks)
+        self.peak_blocks_unshared = max(self.peak_blocks_unshared, self.blocks_unshared)
         self._rec.num_seqs = len(batch.seqs)
         self._rec.num_decodes = batch.num_decodes
         self._rec.context_tokens = sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_tokens))

@@ -169,7 +169,8 @@ def render(report: dict[str, Any]) -> str:
         f"rosechat bench {h['workload']}: {h['model']} | {h['dtype']} | {h['threads']} threads | {h['device']} | "
         f"torch {h['torch']} | transformers {h['transformers']}"
     )
-    out.append(f"load average {h['load_before']} before, {h['load_after']} after | bench wall {h['wall_s']:.0f} s")
+    out.append(f"load average {h['load_before']} before, {h['load_after']} after | bench wall {h['wall_s']:.0f} s"
+               f" | source {h.get('source') or '?'}")
     if "workload_summary" in h:
         out.append(f"workload: {h['workload_summary']}")
     if h["systems"]:

@@ -28,9 +28,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_bench(capsys: pytest.CaptureFixture, *argv: str) -> dict:
+    # a small pool: continuous batching sizes its attention mask by the pool (tokens x batch tokens)
     threads = torch.get_num_threads()
     try:
-        code = main([*argv, "--json", "--threads", "1"])
+        code = main([*argv, "--json", "--threads", "1", "--kv-cache-mib", "2"])
     finally:
         torch.set_num_threads(threads)  # the bench sets it process-wide
     report = json.loads(capsys.readouterr().out)
@@ -116,3 +117,37 @@ def test_verifier_rejects_a_token_that_is_not_the_argmax(tiny: Path) -> None:
     assert verifier.check(prompt + [best], [len(prompt)]) is None
     problem = verifier.check(prompt + [worst], [len(prompt)])
     assert problem is not None and f"chose {worst}" in problem
+
+
+def test_probe_block_counters_equal_the_cache_snapshot(tiny: Path) -> None:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.loader import load_model
+    from rosechat.bench.probe import StepProbe
+
+    loaded = load_model(str(tiny))
+    engine = LLMEngine(loaded, EngineConfig(model="tiny", device="cpu", block_size=4))
+    probe = StepProbe(engine)
+    system = list(range(10, 30))
+    for i in range(3):
+        engine.add_request(system + [40 + i] * 3, SamplingParams(max_tokens=6, ignore_eos=True))
+    shared_seen = False
+    while engine.has_unfinished_requests():
+        outputs, record = probe.step()
+        if any(o.finished for o in outputs):
+            continue  # finished sequences freed blocks after the probe counted them
+        snap = engine.cache_snapshot()
+        assert (probe.blocks, probe.blocks_unshared) == (snap.used_blocks, snap.blocks_without_sharing)
+        assert record.num_seqs > 0 and record.total_s >= record.run_s >= record.prepare_s > 0
+        shared_seen |= snap.shared_blocks > 0
+    assert shared_seen and probe.peak_blocks < probe.peak_blocks_unshared
+
+
+def test_random_lengths_through_continuous_batching(tiny: Path, capsys) -> None:
+    report = run_bench(
+        capsys, "random", "--model", str(tiny), "--systems", f"{ROSECHAT},{CONTINUOUS}",
+        "--requests", "4", "--prompt-range", "5-40", "--output-range", "2-7", "--seed", "3",
+    )
+    rc, cb = report["systems"]
+    assert rc["outputs_match"] and cb["outputs_match"], (rc.get("mismatch"), cb.get("mismatch"))
+    assert rc["output_tokens"] == cb["output_tokens"] < 4 * 7  # each request its own length
+    assert rc["prefill_tokens"] == rc["prompt_tokens"]  # nothing shared: everything computed
