@@ -31,8 +31,15 @@ class ModelRunner:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        for i, attn in enumerate(model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+        self.layers = list(model.attention_layers())
+        self._layer_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(num_layers)]
+        self._bind_caches()
+
+    def _bind_caches(self) -> None:
+        # Each step, in case another engine built on the same model object took the layers.
+        if self.layers[0].k_cache is not self._layer_caches[0][0]:
+            for attn, (k, v) in zip(self.layers, self._layer_caches, strict=True):
+                attn.k_cache, attn.v_cache = k, v
 
     @staticmethod
     def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
@@ -87,6 +94,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward the batch; returns fp32 logits for the sequences that sample, in batch order."""
+        self._bind_caches()
         input_ids, positions, meta, logits_index = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[logits_index])

@@ -138,6 +138,21 @@ def apply_min_p(probs: Tensor, min_ps: Tensor) -> Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
+def argmax(logits: Tensor, chunk: int = 256) -> Tensor:
+    """Row-wise argmax (first index of the maximum, like torch.argmax). On CPU in two stages,
+    per-chunk amax then argmax over chunks and within the winning chunk: torch's CPU argmax is not
+    vectorised and costs ~9x more on a [64, 49152] batch."""
+    if logits.device.type != "cpu" or logits.shape[-1] < 4 * chunk:
+        return logits.argmax(dim=-1)
+    rows, vocab = logits.shape
+    pad = -vocab % chunk
+    x = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")) if pad else logits
+    x = x.view(rows, -1, chunk)
+    best_chunk = x.amax(dim=-1).argmax(dim=-1)
+    within = x[torch.arange(rows), best_chunk].argmax(dim=-1)
+    return best_chunk * chunk + within
+
+
 class Sampler:
     def __call__(self, logits: Tensor, st: SamplingTensors, seen_token_ids: list[list[int]] | None = None) -> Tensor:
         """Next token per row: [B] int64. seen_token_ids (prompt + output, per row) is needed only
@@ -147,8 +162,8 @@ class Sampler:
                 raise ValueError("repetition_penalty needs seen_token_ids")
             logits = apply_repetition_penalty(logits.float(), seen_token_ids, st.repetition_penalties)
         if st.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_tokens = logits.argmax(dim=-1) if st.any_greedy else None
+            return argmax(logits)
+        greedy_tokens = argmax(logits) if st.any_greedy else None
 
         logits = logits.float() / st.temperatures[:, None]  # out of place: caller's logits stay intact
         if st.do_top_k or st.do_top_p:

@@ -39,7 +39,8 @@ def paged_decode_attention(
         # fp16/bf16 (fp32 math wanted) and very long contexts: the sliced online-softmax path
         return _paged_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, ctx, scale)
     out = torch.empty_like(q)
-    k_rows, v_rows = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    # 2-D rows: index_select copies whole rows then (several times faster than on the 3-D view)
+    k_rows, v_rows = k_cache.view(-1, Hkv * D), v_cache.view(-1, Hkv * D)
     order = sorted(range(B), key=ctx.__getitem__, reverse=True)
     i = 0
     while i < B:

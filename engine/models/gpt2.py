@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.attention import Attention, AttentionMetadata
-from engine.models.layers import get_activation
+from engine.models.layers import Linear, get_activation, linear
 
 _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -25,8 +24,8 @@ class GPT2Attention(nn.Module):
         scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= layer_idx + 1
-        self.c_attn = nn.Linear(hidden, 3 * hidden)  # q, k, v stacked along the output dim
-        self.c_proj = nn.Linear(hidden, hidden)
+        self.c_attn = Linear(hidden, 3 * hidden)  # q, k, v stacked along the output dim
+        self.c_proj = Linear(hidden, hidden)
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, scale)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -39,8 +38,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         inner = getattr(config, "n_inner", None) or 4 * config.hidden_size
-        self.c_fc = nn.Linear(config.hidden_size, inner)
-        self.c_proj = nn.Linear(inner, config.hidden_size)
+        self.c_fc = Linear(config.hidden_size, inner)
+        self.c_proj = Linear(inner, config.hidden_size)
         self.act = get_activation(getattr(config, "activation_function", "gelu_new"))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -83,7 +82,7 @@ class GPT2LMHeadModel(nn.Module):
         self.transformer = GPT2Model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -91,7 +90,7 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def attention_layers(self) -> list[Attention]:
         return [block.attn.attn for block in self.transformer.h]

@@ -42,7 +42,22 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class MergedLinear(nn.Linear):
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T (+ bias). On CPU computed as (weight @ x.T).T: BLAS streams the [out, in]
+    weight far better that way for the few rows of a decode step (1.5-1.8x measured at 8-64 rows
+    on the bench machine, never slower up to 512)."""
+    if x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out.add_(bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """One Linear standing for several checkpoint projections stacked along the output dim.
 
     `output_sizes[i]` rows belong to shard i (e.g. q, k, v or gate, up); the loader copies each

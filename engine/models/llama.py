@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.attention import Attention, AttentionMetadata
 from engine.models.layers import (
+    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
     get_activation,
+    linear,
     rope_parameters,
 )
 
@@ -32,7 +33,7 @@ class LlamaAttentionBlock(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         # Qwen3 normalises every head of q and k before RoPE
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -56,7 +57,7 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = get_activation(getattr(config, "hidden_act", "silu"))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -113,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, qkv_bias, o_bias, qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     @staticmethod
@@ -127,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

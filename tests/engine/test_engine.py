@@ -301,3 +301,19 @@ def test_sampling_seed_is_reproducible_whatever_the_batch(llama_dir: str) -> Non
     group = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=1234,
                                                      ignore_eos=True))[0]
     assert len({tuple(o.token_ids) for o in group.outputs}) > 1, "n samples should differ"
+
+
+def test_two_engines_on_one_loaded_model_keep_their_own_caches(llama_dir: str) -> None:
+    from engine import EngineConfig
+    from engine.loader import load_model
+
+    loaded = load_model(llama_dir)
+    prompt = random_prompts(12, [40])[0]
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    a = LLMEngine(loaded, EngineConfig(block_size=8, num_blocks=64))
+    first = a.generate([prompt], p)[0].outputs[0].token_ids
+    b = LLMEngine(loaded, EngineConfig(block_size=8, num_blocks=64))
+    b.generate([[5, 6, 7]], p)
+    # a's prefix-cache hits must read a's pool, not b's
+    assert a.generate([prompt], p)[0].outputs[0].token_ids == first
+    assert a.block_manager.prefix_hits > 0

@@ -238,3 +238,14 @@ def test_build_flags_ignore_greedy_rows_and_only_mark_needed_stages():
     assert st.temperatures.tolist() == pytest.approx([1.0, 0.7])
     st = SamplingTensors.build([SamplingParams(temperature=1.0, top_k=3)], [None], "cpu")
     assert st.do_top_k and not st.do_top_p and st.any_unseeded
+
+
+def test_two_stage_argmax_matches_torch_including_ties() -> None:
+    from engine.sampler import argmax
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1000, 4096, 49152, 50257):
+        x = torch.randn(13, vocab, generator=g)
+        x[3, 7] = x[3, vocab - 5] = x[3].max() + 1  # a tie: the first index wins, as in torch
+        x[5, :] = 0.0  # all equal
+        assert torch.equal(argmax(x), x.argmax(dim=-1))
