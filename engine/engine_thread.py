@@ -103,7 +103,7 @@ class EngineThread:
                 try:
                     outputs = eng.step()
                 except Exception as e:  # an engine bug: end the requests in flight, keep serving
-                    outputs = eng.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    outputs = self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 for out in outputs:
                     self._emit_output(out)
                 dirty = True
@@ -112,6 +112,14 @@ class EngineThread:
                 snapshot = eng.cache_snapshot()
                 self._emit(snapshot)
                 last_snapshot, dirty, rate_shown = now, False, snapshot.tokens_per_s > 0
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        try:
+            return self.engine.fail_all(message)
+        except Exception as e:  # never let the thread die: report it and drop what is in flight
+            self.engine.groups.clear()
+            self._emit(EngineError(None, None, f"{message}; recovery failed: {type(e).__name__}: {e}"))
+            return []
 
     def _handle(self, cmd: tuple[Any, ...]) -> bool:
         """Run one command; returns whether the cache may have changed."""

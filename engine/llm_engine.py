@@ -153,7 +153,7 @@ class LLMEngine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         for seq in parked:
             if seq.chat_text and text.startswith(seq.chat_text):
-                ids = seq.token_ids[:-1] if seq.token_ids[-1] in self.eos_token_ids else seq.token_ids
+                ids = seq.token_ids[: seq.chat_len]
                 return ids + self.tokenizer.encode(text[len(seq.chat_text) :], add_special_tokens=False), text
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
@@ -217,9 +217,12 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         group = self.groups.get(request_id)
         if group is not None:
-            for seq in group.seqs:
-                if not seq.is_finished and seq.status is not SequenceStatus.PARKED:
-                    self._finish(seq, "abort")
+            try:
+                for seq in group.seqs:
+                    if not seq.is_finished and seq.status is not SequenceStatus.PARKED:
+                        self._finish(seq, "abort")
+            except Exception as e:  # e.g. its detokenizer's flush: end the request with the error
+                self._fail(group, f"{type(e).__name__}: {e}")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -279,7 +282,8 @@ class LLMEngine:
         cid = self.start_conversation(new_id)
         for parent in src.seqs:
             child = Sequence(parent.token_ids)
-            child.owner, child.chat_text = cid, parent.chat_text if parent.status is SequenceStatus.PARKED else None
+            child.owner, child.chat_len = cid, parent.chat_len
+            child.chat_text = parent.chat_text if parent.status is SequenceStatus.PARKED else None
             self.block_manager.fork(parent, child)
             self.scheduler.park(child)
             self.conversations[cid].seqs.append(child)
@@ -306,10 +310,10 @@ class LLMEngine:
         if not batch.seqs:
             return self._collect_finished([])
         bm = self.block_manager
-        if bm.pending_copies:  # copy-on-write before attention reads or writes those blocks
-            self.runner.copy_blocks(bm.pending_copies)
-            bm.pending_copies.clear()
         try:
+            if bm.pending_copies:  # copy-on-write before attention reads or writes those blocks
+                copies, bm.pending_copies = bm.pending_copies, []
+                self.runner.copy_blocks(copies)
             logits = self.runner.run(batch)
             touched = self._advance(batch)
             rows, seqs = self._expand_samples(batch)
@@ -411,14 +415,18 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.finish_reason is not None:
             return
+        # Out of the scheduler first: whatever fails below, a finished sequence never runs again.
+        self.scheduler.remove(seq)
         seq.finish_reason = reason
         if reason != "stop" or not seq.detokenizer.stopped:
             seq.pending_text += seq.detokenizer.flush()
-        self.scheduler.remove(seq)
         group = seq.group
-        # The text this sequence's tokens spell, for the next turn (not when a stop string was cut).
+        # The text this sequence's tokens spell, for the next turn: not when a stop string was cut,
+        # and without a final stop token (EOS or a stop id) that the text leaves out.
         spelled = seq.chat_text is not None and not seq.detokenizer.stopped
         seq.chat_text = seq.chat_text + seq.detokenizer.text if spelled else None
+        last = seq.token_ids[-1]
+        seq.chat_len = len(seq) - (last in self.eos_token_ids or last in group.params.stop_token_ids)
         if group.conversation_id in self.conversations:
             self.scheduler.park(seq)  # keeps its blocks for the next turn
         else:

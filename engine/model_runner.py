@@ -48,7 +48,10 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
-        copy_blocks(self.k_cache, self.v_cache, src, dst)
+        # A block freed this step may be both a copy's source and another's destination: the
+        # Triton kernel copies pairs in parallel, the torch path gathers every source first.
+        overlap = not {d for _, d in pairs}.isdisjoint(s for s, _ in pairs)
+        copy_blocks(self.k_cache, self.v_cache, src, dst, backend="torch" if overlap else None)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat inputs for the batch. Per-sequence Python only (slices, list pads); per-token

@@ -43,9 +43,10 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take seq out of every queue (finish, abort, drop); its blocks are the caller's business."""
-        if seq.status is SequenceStatus.RUNNING:
+        # Tolerant: after a failure mid-schedule a sequence may be marked WAITING yet in no queue.
+        if seq.status is SequenceStatus.RUNNING and seq in self.running:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.parked.pop(seq.seq_id, None)
         self.bm.drop_pending(seq)
@@ -102,39 +103,40 @@ class Scheduler:
 
         # Admit waiting prefills unless this step already had to preempt.
         deferred: list[Sequence] = []
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-            and self.preemptions == preempted_before
-        ):
-            seq = self.waiting[0]
-            plan = self.bm.plan(seq)
-            if self.bm.waits_for_pending(plan):
-                # Its next block is being computed for another sequence (a shared system prompt
-                # arriving several times at once): wait a step and hit the cache instead.
-                deferred.append(self.waiting.popleft())
-                continue
-            # Parked conversations give way to new work; when nothing runs that could free
-            # memory later, waiting sequences holding blocks give way too. Re-plan after each
-            # release: a released block may be one of seq's prefix-cache hits.
-            while plan.num_free_needed > self.bm.num_free_blocks and (
-                self.parked or (not self.running and not scheduled)
+        try:
+            while (
+                self.waiting
+                and budget > 0
+                and len(self.running) < self.max_num_seqs
+                and self.preemptions == preempted_before
             ):
-                if not self._reclaim(protect=seq):
-                    break
+                seq = self.waiting[0]
                 plan = self.bm.plan(seq)
-            if plan.num_free_needed > self.bm.num_free_blocks:
-                break
-            self.waiting.popleft()
-            self.bm.allocate(seq, plan)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
-            scheduled.append((seq, n))
-            budget -= n
-
-        self.waiting.extendleft(reversed(deferred))
+                if self.bm.waits_for_pending(plan):
+                    # Its next block is being computed for another sequence (a shared system prompt
+                    # arriving several times at once): wait a step and hit the cache instead.
+                    deferred.append(self.waiting.popleft())
+                    continue
+                # Parked conversations give way to new work; when nothing runs that could free
+                # memory later, waiting sequences holding blocks give way too. Re-plan after each
+                # release: a released block may be one of seq's prefix-cache hits.
+                while plan.num_free_needed > self.bm.num_free_blocks and (
+                    self.parked or (not self.running and not scheduled)
+                ):
+                    if not self._reclaim(protect=seq):
+                        break
+                    plan = self.bm.plan(seq)
+                if plan.num_free_needed > self.bm.num_free_blocks:
+                    break
+                self.bm.allocate(seq, plan)
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                n = min(seq.num_uncomputed, budget)
+                scheduled.append((seq, n))
+                budget -= n
+        finally:  # deferred sequences go back in front, even if admission failed
+            self.waiting.extendleft(reversed(deferred))
         scheduled.sort(key=lambda sn: sn[1] != 1)  # decodes (one token) first, stable otherwise
         num_decodes = sum(1 for _, n in scheduled if n == 1)
         return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes)

@@ -81,6 +81,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.detokenizer: Any = None
         self.chat_text: str | None = None  # chat template text its tokens spell (conversations)
+        self.chat_len = 0  # how many of its tokens spell chat_text (a final stop token does not)
         self.pending_text = ""  # streamed text not yet handed out by LLMEngine.step()
 
     def __len__(self) -> int:
