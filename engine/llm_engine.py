@@ -151,10 +151,12 @@ class LLMEngine:
         sequence spells (its prompt and reply), its own tokens are kept and only the rest is encoded.
         """
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        for seq in parked:
-            if seq.chat_text and text.startswith(seq.chat_text):
-                ids = seq.token_ids[: seq.chat_len]
-                return ids + self.tokenizer.encode(text[len(seq.chat_text) :], add_special_tokens=False), text
+        # Whole turn first (the next turn), then its prompt alone (a regenerated reply).
+        held = [(s.chat_text, s.chat_len, s) for s in parked]
+        held += [(s.prompt_text, s.num_prompt_tokens, s) for s in parked]
+        for spelled, n, seq in held:
+            if spelled and text.startswith(spelled):
+                return seq.token_ids[:n] + self.tokenizer.encode(text[len(spelled) :], add_special_tokens=False), text
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -273,7 +275,7 @@ class LLMEngine:
             # alternatives not chosen); keep at least the last token to compute.
             self.block_manager.truncate(best, min(best_len, len(tokens) - 1))
             best.token_ids += tokens[len(best) :]
-        best.chat_text = text  # the prompt's text; the reply's is added when the turn ends
+        best.prompt_text, best.chat_text = text, None
         return self.add_request(tokens, params, request_id, _conversation=conv, _seq=best)
 
     def fork_conversation(self, conversation_id: str, new_id: str | None = None) -> str:
@@ -282,8 +284,10 @@ class LLMEngine:
         cid = self.start_conversation(new_id)
         for parent in src.seqs:
             child = Sequence(parent.token_ids)
-            child.owner, child.chat_len = cid, parent.chat_len
-            child.chat_text = parent.chat_text if parent.status is SequenceStatus.PARKED else None
+            child.owner = cid
+            if parent.status is SequenceStatus.PARKED:  # a finished turn: its texts still hold
+                child.num_prompt_tokens, child.prompt_text = parent.num_prompt_tokens, parent.prompt_text
+                child.chat_text, child.chat_len = parent.chat_text, parent.chat_len
             self.block_manager.fork(parent, child)
             self.scheduler.park(child)
             self.conversations[cid].seqs.append(child)
@@ -374,7 +378,7 @@ class LLMEngine:
                 for i in range(len(group.seqs), group.params.n):
                     child = Sequence(seq.token_ids)
                     self._init_seq(child, group, i)
-                    child.chat_text = seq.chat_text
+                    child.prompt_text = seq.prompt_text
                     self.block_manager.fork(seq, child)
                     child.status = SequenceStatus.RUNNING
                     self.scheduler.running.append(child)
@@ -423,8 +427,8 @@ class LLMEngine:
         group = seq.group
         # The text this sequence's tokens spell, for the next turn: not when a stop string was cut,
         # and without a final stop token (EOS or a stop id) that the text leaves out.
-        spelled = seq.chat_text is not None and not seq.detokenizer.stopped
-        seq.chat_text = seq.chat_text + seq.detokenizer.text if spelled else None
+        spelled = seq.prompt_text is not None and not seq.detokenizer.stopped
+        seq.chat_text = seq.prompt_text + seq.detokenizer.text if spelled else None
         last = seq.token_ids[-1]
         seq.chat_len = len(seq) - (last in self.eos_token_ids or last in group.params.stop_token_ids)
         if group.conversation_id in self.conversations:

@@ -80,8 +80,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         self.detokenizer: Any = None
-        self.chat_text: str | None = None  # chat template text its tokens spell (conversations)
-        self.chat_len = 0  # how many of its tokens spell chat_text (a final stop token does not)
+        # Conversations: the chat-template text of this turn's prompt, and once the turn ends the
+        # text its prompt + reply spell, with how many tokens spell it (a final stop token does not).
+        self.prompt_text: str | None = None
+        self.chat_text: str | None = None
+        self.chat_len = 0
         self.pending_text = ""  # streamed text not yet handed out by LLMEngine.step()
 
     def __len__(self) -> int:

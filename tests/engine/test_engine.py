@@ -170,6 +170,10 @@ def test_conversation_turns_prefill_only_new_tokens(llama_dir: str) -> None:
     # The reply's own tokens are kept even where its text would re-tokenize differently.
     assert prompt2[: len(held) - 1] == held[:-1]
 
+    # Regenerating the reply (same history as turn 2) recomputes nothing but the last prompt token.
+    again = _drain_one(eng, eng.submit_turn(conv, msgs, SamplingParams(max_tokens=4, n=3, ignore_eos=True)))
+    assert again.prompt_token_ids == second.prompt_token_ids and again.usage.prefilled_tokens == 1
+
     # A second conversation with the same system prompt reuses its blocks through the prefix cache.
     sys_len = len(eng.render_chat([{"role": "system", "content": system}])) - 3  # minus the generation prompt
     assert sys_len >= 200 // 4
