@@ -143,6 +143,8 @@ class EngineThread:
                 eng.fork_conversation(cmd[1], cmd[2])
             elif kind == "drop":
                 eng.drop_conversation(cmd[1])
+                # its request (if busy) ends silently with the tab: forget it
+                self._request_conv = {r: c for r, c in self._request_conv.items() if c != cmd[1]}
         except Exception as e:
             self._emit(EngineError(rid, cid, f"{kind} failed: {e}"))
         return True

@@ -102,10 +102,14 @@ def test_abort_mid_stream_frees_the_blocks(running) -> None:
     assert done.usage.completion_tokens < 400
     # Aborted in a conversation: its blocks stay parked for the next turn, until the tab closes.
     cid = done.conversation_id
+    busy = et.submit_turn(et.new_conversation(), chat("again"), SamplingParams(max_tokens=400, ignore_eos=True))
+    rec.wait(lambda: rec.of(TokenDelta, busy))
     et.drop_conversation(cid)
+    et.drop_conversation(rec.of(TokenDelta, busy)[0].conversation_id)  # dropped while generating
     et.request_snapshot()
     rec.wait(lambda: any(cid not in {o for owners in s.owners for o in owners} and s.used_blocks == 0
                          for s in rec.of(CacheSnapshot)))
+    assert not et._request_conv and not eng.has_unfinished_requests()
 
 
 def test_fork_while_another_conversation_generates(running) -> None:
