@@ -403,7 +403,8 @@ async def test_missing_model_falls_back_to_demo(tmp_path: Path) -> None:
         await ready(pilot)
         assert app.llm.info.is_demo
         assert "DEMO" in app.sub_title and "no-such-model" in app.model_notice
-        assert any("not found" in n.title.lower() for n in app._notifications)
+        # notify() posts a message: the notification lands once the app has handled it
+        await wait_for(pilot, lambda: any("not found" in n.title.lower() for n in app._notifications), "the notice")
         tab = await send(pilot, "hello demo")
         await wait_for(pilot, lambda: replied(tab), "the reply")
 
