@@ -109,7 +109,6 @@ class LLMEngine:
         self.conversations: dict[str, Conversation] = {}
         self._ids = itertools.count()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) for tokens/s
-        self.num_steps = 0
         self.prefill_tokens = 0  # tokens computed by prefill over the engine's life (bench figure)
         torch.manual_seed(config.seed)
 
@@ -328,7 +327,6 @@ class LLMEngine:
             for group in {s.group.request_id: s.group for s in batch.seqs}.values():
                 self._fail(group, f"{type(e).__name__}: {e}")
             return self._collect_finished([])
-        self.num_steps += 1
         self._append_tokens(seqs, tokens)
         return self._collect_finished(touched)
 

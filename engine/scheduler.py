@@ -51,9 +51,6 @@ class Scheduler:
         self.parked.pop(seq.seq_id, None)
         self.bm.drop_pending(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # ------------------------------------------------------------------ memory pressure
     def _reclaim(self, protect: Sequence | None) -> bool:
         """Free some blocks: parked conversations oldest first, then waiting sequences that still

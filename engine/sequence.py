@@ -123,7 +123,6 @@ class SequenceGroup:
     conversation_id: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    finish_time: float | None = None
     prompt_len: int = 0
     prefilled_tokens: int = 0  # prompt tokens computed (not served by the cache), all sequences
     error: str | None = None  # set when the request failed
