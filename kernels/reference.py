@@ -136,18 +136,24 @@ def _attend_chunk(
         qi = torch.minimum(torch.arange(r0, r1, device=dev)[None, :], length[:, None] - 1)
         q_idx = start[:, None] + qi
         pos = keys[:, None] - length[:, None] + qi  # absolute position of each query
-        qh = q[q_idx].to(ct).mul(scale).view(n, r, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(n, Hkv, r * G, D)
         # keys past the step's last query are causally invisible to all of it: never read
         k_end = max(c - nq + min(r1, nq) for c, nq in zip(ctx, q_lens, strict=True))
-        m_i = l_i = acc = None
+        if k_end <= key_step:  # one slice: the fused kernel, GQA by head index, additive mask
+            k, v = _gather_kv(k_cache, v_cache, tables, keys, 0, k_end, ct)
+            hidden = torch.arange(k.shape[2], device=dev)[None, None, :] > pos[:, :, None]
+            mask = torch.zeros(hidden.shape, dtype=ct, device=dev).masked_fill_(hidden, float("-inf"))
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[q_idx].to(ct).transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+            )
+            out[q_idx] = o.transpose(1, 2).to(out.dtype)  # duplicated padding rows write identical values
+            continue
+        qh = q[q_idx].to(ct).mul(scale).view(n, r, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(n, Hkv, r * G, D)
+        m_i = l_i = None
         for k0 in range(0, k_end, key_step):
             k, v = _gather_kv(k_cache, v_cache, tables, keys, k0, min(k_end, k0 + key_step), ct)
-            s = torch.matmul(qh, k.transpose(2, 3))  # [n, Hkv, r*G, slice]
             hidden = torch.arange(k0, k0 + k.shape[2], device=dev)[None, None, :] > pos[:, :, None]
+            s = torch.matmul(qh, k.transpose(2, 3))  # [n, Hkv, r*G, slice]
             s.view(n, Hkv, r, G, -1).masked_fill_(hidden[:, None, :, None, :], float("-inf"))
-            if k_end <= key_step:  # one slice: plain softmax
-                acc, l_i = torch.matmul(torch.softmax(s, dim=-1), v), None
-                break
             # online softmax; the first slice holds key 0 for every row, so m_i is finite after it
             m_new = s.amax(-1) if m_i is None else torch.maximum(m_i, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
@@ -158,8 +164,7 @@ def _attend_chunk(
                 l_i = l_i * alpha + p.sum(-1)
                 acc = acc * alpha[..., None] + torch.matmul(p, v)
             m_i = m_new
-        o = acc if l_i is None else acc / l_i[..., None]  # [n, Hkv, r*G, D]
-        # duplicated padding rows write identical values
+        o = acc / l_i[..., None]  # [n, Hkv, r*G, D]
         out[q_idx] = o.view(n, Hkv, r, G, D).permute(0, 2, 1, 3, 4).reshape(n, r, Hq, D).to(out.dtype)
 
 
@@ -190,7 +195,8 @@ def _gather_kv(
         v = torch.empty(n, Hkv, L, D, dtype=dtype, device=dev).copy_(v)
     past_end = torch.arange(k0, k0 + L, device=dev)[None, :] >= key_lens[:, None]  # [n, L]
     if bool(past_end.any()):
-        # those slots hold garbage (maybe NaN), and 0 * NaN would leak through p @ v
+        # those slots hold garbage (maybe NaN): NaN scores or 0 * NaN in p @ v would leak through the mask
+        k.masked_fill_(past_end[:, None, :, None], 0)
         v.masked_fill_(past_end[:, None, :, None], 0)
     return k, v
 
