@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from kernels import SharedPrefix, paged_decode_attention, paged_prefill_attention, write_kv
 
 
 @dataclass
@@ -25,6 +25,8 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: Tensor  # [num_prefills + 1] int32, offsets into the prefill part
     prefill_context_lens: Tensor  # [num_prefills] int32, cached prefix + new tokens
     backend: str | None = None  # "torch" / "triton" / None (auto)
+    # decodes that start with the same blocks (a system prompt, a forked history): attended once
+    decode_shared_prefixes: list[SharedPrefix] = field(default_factory=list)
 
 
 class Attention(nn.Module):
@@ -70,6 +72,7 @@ class Attention(nn.Module):
             meta.decode_block_tables,
             meta.decode_context_lens,
             self.scale,
+            shared_prefixes=meta.decode_shared_prefixes,
             backend=meta.backend,
         )
 

@@ -6,7 +6,32 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.scheduler import ScheduledBatch
-from kernels import copy_blocks
+from kernels import SharedPrefix, copy_blocks
+
+# A group of decodes gets its shared prefix attended once when that saves reading at least this
+# many keys per layer: below it the extra kernel call and merge cost more than they save.
+MIN_SHARED_KEYS = 256
+
+
+def find_shared_prefixes(
+    tables: list[list[int]], context_lens: list[int], block_size: int
+) -> list[tuple[list[int], int]]:
+    """(members, number of leading blocks) for each group of decodes whose block tables start with
+    the same blocks. Blocks stop short of each member's current token (its block is its own)."""
+    groups: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        groups.setdefault(table[0], []).append(i)
+    found = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        limit = min((context_lens[i] - 1) // block_size for i in members)
+        first, n = tables[members[0]], 0
+        while n < limit and all(tables[i][n] == first[n] for i in members):
+            n += 1
+        if (len(members) - 1) * n * block_size >= MIN_SHARED_KEYS:
+            found.append((members, n))
+    return found
 
 
 class ModelRunner:
@@ -82,6 +107,13 @@ class ModelRunner:
         samples = [i for i, s in enumerate(seqs) if starts[i] + counts[i] == len(s)]
         logits_index = cu[1:][samples] - 1
 
+        shared = []
+        if dev.type == "cpu" and nd > 1:  # only the CPU attention path reads a prefix once
+            ctx = [c + n for c, n in zip(starts[:nd], counts[:nd])]
+            for members, n in find_shared_prefixes(tables[:nd], ctx, self.block_size):
+                blocks = torch.tensor(tables[members[0]][:n], dtype=torch.int64)
+                shared.append(SharedPrefix(torch.tensor(members, dtype=torch.int64), blocks))
+
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev),
             num_decode_tokens=nd,
@@ -91,6 +123,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=(cu[nd:] - cu[nd]).to(torch.int32).to(dev),
             prefill_context_lens=context_lens[nd:].to(dev),
             backend=self.backend,
+            decode_shared_prefixes=shared,
         )
         return input_ids.to(dev), positions.to(dev), meta, logits_index.to(dev)
 

@@ -13,8 +13,16 @@ from collections.abc import Sequence
 import torch
 
 from kernels import reference
+from kernels.reference import SharedPrefix
 
-__all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "triton_status", "write_kv"]
+__all__ = [
+    "SharedPrefix",
+    "copy_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "triton_status",
+    "write_kv",
+]
 
 
 def triton_status() -> str:
@@ -52,18 +60,21 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
+    shared_prefixes: Sequence[SharedPrefix] = (),
     backend: str | None = None,
 ) -> torch.Tensor:
     """One new query per sequence against its paged K/V.
 
     q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
     int32; context_lens: [B] int32 (>= 1, counting the current token). Returns [B, Hq, D].
+    shared_prefixes: groups of sequences starting with the same blocks; the CPU path reads those
+    blocks once per group (the result is the same; the Triton kernel reads them per sequence).
     """
     if _use_triton(q, backend):
         from kernels.triton_decode import paged_decode_attention as impl
-    else:
-        impl = reference.paged_decode_attention
-    return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+        return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, shared_prefixes)
 
 
 def paged_prefill_attention(

@@ -12,6 +12,7 @@ Decode is the case of one query row per sequence.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +23,17 @@ KV_BUDGET = 1 << 22
 SCORE_BUDGET = 1 << 22
 
 
+class SharedPrefix(NamedTuple):
+    """Decode sequences whose block tables all start with the same physical blocks.
+
+    seqs: [m] int64 batch indices; blocks: [P] int64 block ids, full blocks every one of the
+    sequences starts with, its context running past them (the current token is never in them).
+    """
+
+    seqs: torch.Tensor
+    blocks: torch.Tensor
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -29,37 +41,80 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    shared_prefixes: Sequence[SharedPrefix] = (),
 ) -> torch.Tensor:
     """One query per sequence: gather each sequence's keys token by token and run the fused SDPA
-    kernel, a chunk of sequences at a time (a chunk's gathered K+V stays within KV_BUDGET)."""
+    kernel, a chunk of sequences at a time (a chunk's gathered K+V stays within KV_BUDGET).
+
+    A shared prefix is attended once for all its sequences (cascade attention): their queries
+    stack into one matrix against the prefix's K/V, read once instead of once per sequence, and
+    the result merges with each sequence's own suffix through the log-sum-exp of both parts.
+    """
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
     ctx = context_lens.tolist()
     if q.dtype != k_cache.dtype or q.dtype not in (torch.float32, torch.float64) or max(ctx) * 2 * Hkv * D > KV_BUDGET:
         # fp16/bf16 (fp32 math wanted) and very long contexts: the sliced online-softmax path
         return _paged_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, ctx, scale)
+    if not q.is_cpu:  # the log-sum-exp comes from the CPU flash kernel
+        shared_prefixes = ()
+    skip = [0] * B  # keys each sequence leaves to its shared prefix
+    for prefix in shared_prefixes:
+        for b in prefix.seqs.tolist():
+            skip[b] = prefix.blocks.numel() * bs
     out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, dtype=q.dtype, device=q.device) if shared_prefixes else None
     # 2-D rows: index_select copies whole rows then (several times faster than on the 3-D view)
     k_rows, v_rows = k_cache.view(-1, Hkv * D), v_cache.view(-1, Hkv * D)
-    order = sorted(range(B), key=ctx.__getitem__, reverse=True)
+    own = [c - k for c, k in zip(ctx, skip)]
+    order = sorted(range(B), key=own.__getitem__, reverse=True)
     i = 0
     while i < B:
-        n = max(1, min(B - i, KV_BUDGET // (ctx[order[i]] * 2 * Hkv * D)))
+        L = own[order[i]]
+        n = max(1, min(B - i, KV_BUDGET // (L * 2 * Hkv * D)))
         seqs = torch.tensor(order[i : i + n], device=q.device)
+        first = torch.tensor([skip[b] for b in order[i : i + n]], device=q.device)
         lens = context_lens.index_select(0, seqs).long()
-        L = ctx[order[i]]
         # Positions past a sequence's length re-read its last token (never garbage or another
         # sequence's slot) and are masked out of the softmax.
-        pos = torch.minimum(torch.arange(L, device=q.device)[None, :], lens[:, None] - 1)
+        pos = torch.minimum(first[:, None] + torch.arange(L, device=q.device)[None, :], lens[:, None] - 1)
         slots = block_tables.index_select(0, seqs).long().gather(1, pos // bs) * bs + pos % bs
         k = k_rows.index_select(0, slots.flatten()).view(n, L, Hkv, D).transpose(1, 2)
         v = v_rows.index_select(0, slots.flatten()).view(n, L, Hkv, D).transpose(1, 2)
-        mask = (torch.arange(L, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-        qh = q.index_select(0, seqs).view(n, Hkv, Hq // Hkv, D)  # GQA: a head group is a query row block
-        o = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+        mask = (torch.arange(L, device=q.device)[None, :] < (lens - first)[:, None])[:, None, None, :]
+        qh = q.index_select(0, seqs).view(n, Hkv, G, D)  # GQA: a head group is a query row block
+        if lse is None:
+            o = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+        else:
+            o, lse_n = _attention_lse(qh, k, v, mask, scale)
+            lse.index_copy_(0, seqs, lse_n.reshape(n, Hq))
         out.index_copy_(0, seqs, o.reshape(n, Hq, D))
         i += n
+    for prefix in shared_prefixes:
+        m, keys = prefix.seqs.numel(), prefix.blocks.numel() * bs
+        kp = k_cache.index_select(0, prefix.blocks).view(1, keys, Hkv, D).transpose(1, 2)
+        vp = v_cache.index_select(0, prefix.blocks).view(1, keys, Hkv, D).transpose(1, 2)
+        # every query row of every sequence against the one copy of the prefix: [1, Hkv, m*G, D]
+        qp = q.index_select(0, prefix.seqs).view(m, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, m * G, D)
+        op, lse_p = _attention_lse(qp, kp, vp, None, scale)
+        op = op.view(Hkv, m, G, D).transpose(0, 1).reshape(m, Hq, D)
+        lse_p = lse_p.view(Hkv, m, G).transpose(0, 1).reshape(m, Hq)
+        os, lse_s = out.index_select(0, prefix.seqs), lse.index_select(0, prefix.seqs)
+        total = torch.logaddexp(lse_p, lse_s)
+        merged = op * (lse_p - total).exp_()[..., None] + os * (lse_s - total).exp_()[..., None]
+        out.index_copy_(0, prefix.seqs, merged)
     return out
+
+
+def _attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention [..., rows, D] and the log-sum-exp of each row's scores (CPU flash kernel)."""
+    if mask is not None:  # the kernel takes an additive mask of q's dtype
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    return out, lse
 
 
 def paged_prefill_attention(

@@ -227,6 +227,45 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(llama_dir: str)
     assert solo.prefill_tokens == 4 * 64 + sum(map(len, users))
 
 
+def test_decodes_sharing_a_prefix_attend_it_once(llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four requests on one 100-token system prompt: their decodes pass the 12 shared blocks to the
+    attention as one group (cascade), and every output equals the run that shares nothing."""
+    from kernels import reference
+
+    groups: list[list[tuple[list[int], int]]] = []
+    decode = reference.paged_decode_attention
+
+    def spy(*args):
+        groups.append([(p.seqs.tolist(), p.blocks.numel()) for p in args[6]])
+        return decode(*args)
+
+    monkeypatch.setattr(reference, "paged_decode_attention", spy)
+    system, *users = random_prompts(12, [100, 3, 9, 17, 30])
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    eng = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256)
+    outs = eng.generate([system + u for u in users], params)
+    assert ([0, 1, 2, 3], 12) in [g for step in groups for g in step]
+    groups.clear()
+    solo = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256, enable_prefix_caching=False)
+    alone = solo.generate([system + u for u in users], params)
+    assert not any(groups)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_find_shared_prefixes() -> None:
+    from engine.model_runner import MIN_SHARED_KEYS, find_shared_prefixes
+
+    bs = MIN_SHARED_KEYS // 2
+    tables = [[5, 6, 7, 1], [5, 6, 7, 2], [5, 6, 3], [9, 4], [9, 8], [5, 6, 7, 0]]
+    ctx = [4 * bs, 3 * bs + 1, 2 * bs + 1, 2 * bs, 2 * bs, 2 * bs]
+    # the last sequence's current token is in block 1: the group {0, 1, 2, 5} stops there;
+    # {3, 4} share one block, but one block's keys read once more save too little
+    assert find_shared_prefixes(tables, ctx, bs) == [([0, 1, 2, 5], 1)]
+    ctx[5] = 4 * bs
+    assert find_shared_prefixes(tables, ctx, bs) == [([0, 1, 2, 5], 2)]
+    assert find_shared_prefixes(tables[:1], ctx[:1], bs) == []
+
+
 def test_chunked_prefill_does_not_stall_decodes(llama_dir: str) -> None:
     eng = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256, max_num_batched_tokens=32)
     short, long = random_prompts(4, [5, 300])

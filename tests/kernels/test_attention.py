@@ -205,6 +205,46 @@ def test_torch_decode_chunking_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
 
 
+def share_prefixes(case: Case, groups: list[tuple[list[int], int]], bs: int) -> list[kernels.SharedPrefix]:
+    """Point each group's block tables at its first member's leading blocks (copy-on-write
+    sharing as the block manager builds it) and poison the blocks that no table uses any more."""
+    tables = case.block_tables.cpu()
+    prefixes = []
+    for members, nblocks in groups:
+        for b in members[1:]:
+            orphans = tables[b, :nblocks].long()
+            tables[b, :nblocks] = tables[members[0], :nblocks]
+            case.k_cache[orphans.to(DEVICE)] = float("nan")
+            case.v_cache[orphans.to(DEVICE)] = float("nan")
+        prefixes.append(kernels.SharedPrefix(torch.tensor(members, device=DEVICE),
+                                             tables[members[0], :nblocks].long().to(DEVICE)))
+    case.block_tables = tables.to(DEVICE)
+    return prefixes
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_shared_prefixes(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, dtype: torch.dtype) -> None:
+    """Cascade decode: two groups share leading blocks (one member's own part is a single token),
+    one sequence shares nothing. Equal to dense attention through the tables; fp16 ignores the
+    groups (it takes the sliced path), fp32 attends each prefix once."""
+    from kernels import reference
+
+    bs = 8
+    ctx = [3 * bs + 1, 5 * bs + 2, 4 * bs - 1, 2 * bs + 5, bs + 3, 2 * bs]
+    case = make_case(ctx, [1] * len(ctx), hq, hkv, 64, bs, dtype, seed=hq + hkv)
+    prefixes = share_prefixes(case, [([1, 0, 2], 3), ([4, 5], 1)], bs)
+    calls: list[tuple[int, ...]] = []
+    lse = reference._attention_lse
+    monkeypatch.setattr(reference, "_attention_lse", lambda q, *a: calls.append(tuple(q.shape)) or lse(q, *a))
+    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+                                 case.scale, shared_prefixes=prefixes, backend="torch")
+    check(out, case, f"decode torch shared prefixes {dtype}")
+    if dtype == torch.float32 and DEVICE.type == "cpu":
+        g = hq // hkv  # the prefix calls stack every member's query heads: [1, Hkv, members * G, D]
+        assert (1, hkv, 3 * g, 64) in calls and (1, hkv, 2 * g, 64) in calls, calls
+
+
 # ---- Triton backend (interpreted on CPU): a cover of ratios, head dims, block sizes, dtypes ----
 
 TRITON_CASES = [
