@@ -23,6 +23,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA + triton backend)
     seed: int = 0
 
     def __init__(self, **kwargs) -> None:

@@ -103,6 +103,8 @@ class LLMEngine:
             device=device,
             backend=config.attention_backend,
         )
+        if config.cuda_graphs:
+            self.runner.capture_decode_graphs(config.max_num_seqs, -(-self.max_model_len // config.block_size))
         self.sampler = Sampler()
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.groups: dict[str, SequenceGroup] = {}

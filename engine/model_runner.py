@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs, build_decode_graphs
 from engine.scheduler import ScheduledBatch
 from kernels import SharedPrefix, copy_blocks
 
@@ -59,6 +60,15 @@ class ModelRunner:
         self.layers = list(model.attention_layers())
         self._layer_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(num_layers)]
         self._bind_caches()
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """Record decode steps as CUDA graphs (CUDA with the Triton kernels only; else a no-op)."""
+        if self.device.type == "cuda" and self.backend == "triton":
+            self.graphs = build_decode_graphs(
+                self.model, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
+                device=self.device, backend=self.backend,
+            )  # fmt: skip
 
     def _bind_caches(self) -> None:
         # Each step, in case another engine built on the same model object took the layers.
@@ -132,5 +142,9 @@ class ModelRunner:
         """Forward the batch; returns fp32 logits for the sequences that sample, in batch order."""
         self._bind_caches()
         input_ids, positions, meta, logits_index = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        graphs, n = self.graphs, len(batch.seqs)
+        if graphs is not None and batch.num_decodes == n and graphs.fits(n, meta.decode_block_tables.shape[1]):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[logits_index])

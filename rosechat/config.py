@@ -57,6 +57,7 @@ class ModelConfig:
     dtype: str = dataclasses.field(metadata={"choices": DTYPES})
     device: str
     attention_backend: str = dataclasses.field(metadata={"choices": BACKENDS})
+    cuda_graphs: bool
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class Config:
             "dtype": self.model.dtype,
             "device": self.model.device,
             "attention_backend": self.model.attention_backend,
+            "cuda_graphs": self.model.cuda_graphs,
             "block_size": c.block_size,
             "kv_cache_bytes": c.kv_cache_mib * 2**20 if c.kv_cache_mib else None,
             "num_blocks": c.num_blocks or None,

@@ -36,6 +36,7 @@ from rosechat.bench.twin import Verifier, build_twin
 
 WORKLOADS = ("chat", "multiturn", "random", "decode-overhead")
 DTYPES = ("float32", "bfloat16", "float16")
+CUDA_KV_MIB = 1024  # KV pool of every system on CUDA unless --kv-cache-mib says otherwise
 
 
 def _int_list(s: str) -> list[int]:
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("workload", nargs="?", default="chat", choices=WORKLOADS)
     p.add_argument("--model", default="demo-135m", help="local folder, hub id, or demo / demo-135m (default)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N; "
+                   "every system runs there, rosechat with the triton backend on CUDA")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, every system")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -103,9 +106,10 @@ def _workload(args: argparse.Namespace, src: workloads.TokenSource) -> workloads
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     opts = {
         "dtype": args.dtype,
-        "device": "cpu",
+        "device": args.device,
         "block_size": args.block_size,
-        "kv_cache_bytes": args.kv_cache_mib << 20 if args.kv_cache_mib else None,
+        # a fixed pool on CUDA too: sized from free memory, it would shrink with each system run
+        "kv_cache_bytes": (args.kv_cache_mib or (CUDA_KV_MIB if args.device.startswith("cuda") else 0)) << 20 or None,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_batched_tokens,
         "attention_backend": args.backend,
@@ -185,11 +189,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise BenchError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     dtype = getattr(torch, args.dtype)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
 
-    _log(f"loading {args.model} ({args.dtype}, {args.threads} threads)")
-    loaded = load_model(args.model, dtype=dtype, device="cpu")
+    _log(f"loading {args.model} ({args.dtype}, {args.device}, {args.threads} threads)")
+    loaded = load_model(args.model, dtype=dtype, device=device)
     src = workloads.TokenSource(loaded.tokenizer, args.seed)
-    machine = measure_machine(dtype)
+    machine = measure_machine(dtype, device)
     cost = model_cost(loaded, dtype)
 
     workload = None if args.workload == "decode-overhead" else _workload(args, src)
@@ -204,6 +211,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runner.warmup(warm_prompt)
             result = run_workload(runner, workload)
             del runner  # frees its KV pool before the next system allocates one
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             _verify(result, verifier)
             _log(f"{result.name}: {result.wall_s:.1f} s, outputs {'match' if result.outputs_match else 'DIFFER'}")
             results.append(result)
@@ -220,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": loaded.name,
         "dtype": args.dtype,
         "threads": args.threads,
-        "device": "cpu",
+        "device": args.device,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "source": _source_version(),

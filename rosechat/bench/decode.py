@@ -20,6 +20,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from rosechat.bench.probe import StepProbe, StepRecord
+from rosechat.bench.roofline import synchronizer
 from rosechat.bench.workloads import TokenSource
 
 WARM_STEPS = 2
@@ -68,10 +69,12 @@ class DecodeReport:
 @torch.inference_mode()
 def _model_seconds(engine: LLMEngine, inputs: tuple) -> float:
     input_ids, positions, meta, logits_index = inputs
-    model = engine.runner.model
+    model, sync = engine.runner.model, synchronizer(engine.runner.device)
+    sync()
     t0 = time.perf_counter()
     hidden = model(input_ids, positions, meta)
     model.compute_logits(hidden[logits_index])
+    sync()
     return time.perf_counter() - t0
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import LLMEngine
+from rosechat.bench.roofline import synchronizer
 
 
 @dataclass
@@ -50,6 +51,7 @@ class StepProbe:
         self.peak_blocks = 0
         self.peak_blocks_unshared = 0  # the same holders' blocks if nothing were shared
         self.last_inputs: tuple | None = None  # runner.prepare's result in the latest step
+        self.sync = synchronizer(runner.device)  # a timer stops when the GPU's queued work is done
         self._rec = StepRecord()
         self._wrap(engine.scheduler, "schedule", "schedule_s", self._after_schedule)
         self._wrap(runner, "prepare", "prepare_s", self._after_prepare)
@@ -62,6 +64,7 @@ class StepProbe:
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             out = inner(*args, **kwargs)
+            self.sync()
             setattr(self._rec, field, getattr(self._rec, field) + time.perf_counter() - t0)
             if after is not None:
                 after(out)

@@ -21,24 +21,35 @@ class Machine:
     mem_bw_gbs: float  # measured: a large tensor copy, bytes read + written per second
 
 
-def _best_time(fn: Any, reps: int) -> float:
+def synchronizer(device: torch.device) -> Any:
+    """Waits for the device's queued work (GPU kernels run asynchronously); a no-op on CPU."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _best_time(fn: Any, reps: int, sync: Any) -> float:
     fn()
+    sync()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def measure_machine(dtype: torch.dtype, matmul_size: int = 1024, copy_mib: int = 256) -> Machine:
-    a = torch.randn(matmul_size, matmul_size).to(dtype)
-    b = torch.randn(matmul_size, matmul_size).to(dtype)
-    t_mm = _best_time(lambda: torch.mm(a, b), reps=8)
-    src = torch.ones(copy_mib << 18)  # fp32: copy_mib MiB
+def measure_machine(dtype: torch.dtype, device: torch.device | None = None, matmul_size: int | None = None,
+                    copy_mib: int = 256) -> Machine:
+    device = device or torch.device("cpu")
+    n = matmul_size or (8192 if device.type == "cuda" else 1024)  # large enough to reach peak there
+    sync = synchronizer(device)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t_mm = _best_time(lambda: torch.mm(a, b), 8, sync)
+    src = torch.ones(copy_mib << 18, device=device)  # fp32: copy_mib MiB
     dst = torch.empty_like(src)
-    t_copy = _best_time(lambda: dst.copy_(src), reps=5)
-    return Machine(2 * matmul_size**3 / t_mm / 1e9, 2 * src.nbytes / t_copy / 1e9)
+    t_copy = _best_time(lambda: dst.copy_(src), 5, sync)
+    return Machine(2 * n**3 / t_mm / 1e9, 2 * src.nbytes / t_copy / 1e9)
 
 
 @dataclass

@@ -207,7 +207,8 @@ class GenerateRunner(Runner):
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=input_ids, attention_mask=mask, generation_config=config,
+                input_ids=input_ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                generation_config=config,
                 stopping_criteria=StoppingCriteriaList([clock]),
             )
         self.prefill_tokens += input_ids.numel()  # padding is computed too

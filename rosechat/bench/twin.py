@@ -38,7 +38,8 @@ def build_twin(loaded: Any, dtype: torch.dtype) -> Any:
         raise ValueError(f"the transformers model has parameters the engine model lacks: {missing[:5]}")
     # ignore_eos for generate(): a None here is not refilled from the model's defaults
     model.generation_config.eos_token_id = None
-    return model.eval().requires_grad_(False)
+    device = next(engine_model.parameters()).device
+    return model.to(device).eval().requires_grad_(False)
 
 
 class Verifier:
@@ -64,10 +65,11 @@ class Verifier:
         if not generated:
             return None
         end = max(generated)
-        hidden = self.model.base_model(input_ids=torch.tensor([tokens[:end]])).last_hidden_state[0]
-        rows = torch.tensor([p - 1 for p in generated])
+        dev = self.model.device
+        hidden = self.model.base_model(input_ids=torch.tensor([tokens[:end]], device=dev)).last_hidden_state[0]
+        rows = torch.tensor([p - 1 for p in generated], device=dev)
         logits = self.model.get_output_embeddings()(hidden[rows]).float()
-        chosen_ids = torch.tensor([tokens[p] for p in generated])
+        chosen_ids = torch.tensor([tokens[p] for p in generated], device=dev)
         chosen = logits.gather(1, chosen_ids[:, None])[:, 0]
         best, best_ids = logits.max(dim=-1)
         gap = best - chosen
