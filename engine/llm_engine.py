@@ -171,6 +171,8 @@ class LLMEngine:
                 f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{limit} tokens; lower max_tokens to at most {limit - n_prompt}"
             )
+        if params.n > self.config.max_num_seqs:
+            raise RequestError(f"n={params.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
         vocab = self.loaded.config.vocab_size
         if max(token_ids) >= vocab or min(token_ids) < 0:
             raise RequestError(f"token ids must be in [0, {vocab})")

@@ -100,11 +100,12 @@ class Scheduler:
 
         # Admit waiting prefills unless this step already had to preempt.
         deferred: list[Sequence] = []
+        seats = sum(map(_seats, self.running))  # an admitted n > 1 group forks before its next step
         try:
             while (
                 self.waiting
                 and budget > 0
-                and len(self.running) < self.max_num_seqs
+                and seats + _seats(self.waiting[0]) <= self.max_num_seqs
                 and self.preemptions == preempted_before
             ):
                 seq = self.waiting[0]
@@ -129,6 +130,7 @@ class Scheduler:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                seats += _seats(seq)
                 n = min(seq.num_uncomputed, budget)
                 scheduled.append((seq, n))
                 budget -= n
@@ -137,3 +139,12 @@ class Scheduler:
         scheduled.sort(key=lambda sn: sn[1] != 1)  # decodes (one token) first, stable otherwise
         num_decodes = sum(1 for _, n in scheduled if n == 1)
         return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes)
+
+
+def _seats(seq: Sequence) -> int:
+    """Running places seq takes once admitted: itself, plus the samples its group forks from its
+    first token (n > 1)."""
+    group = seq.group
+    if group is None or seq.index != 0 or seq.num_output_tokens:
+        return 1
+    return 1 + group.params.n - len(group.seqs)

@@ -167,3 +167,24 @@ def test_overlapping_copies_take_the_gather_first_path(model_dir: str, monkeypat
     eng.runner.copy_blocks([(1, 2), (3, 4)])
     eng.runner.copy_blocks([(1, 4), (3, 1)])  # block 1 is read and written: never copied in parallel
     assert calls == [None, "torch"]
+
+
+def test_groups_that_fork_count_their_samples_against_max_num_seqs(model_dir: str) -> None:
+    """An n=3 group is one sequence until its first token, then three: admitted as one, it pushed
+    the running sequences past max_num_seqs."""
+    from engine import RequestError
+
+    eng = LLMEngine.from_pretrained(model_dir, block_size=4, num_blocks=256, max_num_seqs=4)
+    with pytest.raises(RequestError, match="max_num_seqs is 4"):
+        eng.add_request([5, 6, 7], SamplingParams(n=5, max_tokens=4))
+    ids = [eng.add_request([5 + i, 6, 7], SamplingParams(max_tokens=6, n=1 + 2 * (i % 2), ignore_eos=True))
+           for i in range(6)]
+    done, most = {}, 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        most = max(most, len(eng.scheduler.running))
+    assert most == 4
+    assert [len(done[i].outputs) for i in ids] == [1, 3] * 3
+    assert all(len(c.token_ids) == 6 for i in ids for c in done[i].outputs)
