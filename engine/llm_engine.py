@@ -112,6 +112,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) for tokens/s
         self.prefill_tokens = 0  # tokens computed by prefill over the engine's life (bench figure)
+        self._ended: list[RequestOutput] = []  # final outputs taken before a step, sent with the next
         torch.manual_seed(config.seed)
 
     @classmethod
@@ -230,7 +231,7 @@ class LLMEngine:
                 self._fail(group, f"{type(e).__name__}: {e}")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups or self._ended)
 
     # ------------------------------------------------------------------ conversations
     def start_conversation(self, conversation_id: str | None = None) -> str:
@@ -256,8 +257,14 @@ class LLMEngine:
         """Generate the next reply. Only tokens past what the conversation already holds are prefilled;
         with several parked alternatives, the one matching the new history is kept."""
         conv = self._conversation(conversation_id)
-        if conv.request_id is not None:
-            raise RequestError(f"conversation {conversation_id!r} is still generating")
+        current = self.groups.get(conv.request_id or "")
+        if current is not None:
+            if not self._group_done(current):
+                raise RequestError(f"conversation {conversation_id!r} is still generating")
+            # Aborted, its final output not yet sent: take it now, before the new turn reuses the
+            # conversation's sequence; the next step sends it.
+            self._ended.append(self._output(current, True))
+            del self.groups[current.request_id]
         if messages and isinstance(messages[0], int):
             tokens, text = list(messages), None
         else:
@@ -440,7 +447,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
 
     def _collect_finished(self, touched: list[SequenceGroup]) -> list[RequestOutput]:
-        outputs = []
+        outputs, self._ended = self._ended, []
         touched_ids = {g.request_id for g in touched}
         for group in touched:
             done = self._group_done(group)

@@ -188,3 +188,23 @@ def test_groups_that_fork_count_their_samples_against_max_num_seqs(model_dir: st
     assert most == 4
     assert [len(done[i].outputs) for i in ids] == [1, 3] * 3
     assert all(len(c.token_ids) == 6 for i in ids for c in done[i].outputs)
+
+
+def test_a_conversation_takes_a_new_turn_right_after_an_abort(model_dir: str) -> None:
+    """Abort and submit in one go (one command batch of the engine thread): the new turn starts,
+    and the aborted one still gets its final output, marked aborted."""
+    eng = LLMEngine.from_pretrained(model_dir, block_size=4, num_blocks=256)
+    conv = eng.start_conversation()
+    first = eng.submit_turn(conv, [5, 6, 7, 8, 9], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.abort(first)
+    history = eng.conversations[conv].seqs[0].token_ids
+    second = eng.submit_turn(conv, history + [10, 11], SamplingParams(max_tokens=4, ignore_eos=True))
+    done = _drain(eng)
+    assert done[first].outputs[0].finish_reason == "abort"
+    assert done[second].outputs[0].finish_reason == "length" and len(done[second].outputs[0].token_ids) == 4
+    assert eng.conversations[conv].request_id is None
+    eng.submit_turn(conv, [5], SamplingParams(max_tokens=50))
+    with pytest.raises(Exception, match="still generating"):  # a turn that is running still refuses
+        eng.submit_turn(conv, [5, 6], SamplingParams(max_tokens=50))
