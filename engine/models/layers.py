@@ -42,19 +42,27 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-# Rows up to which CPU linears run as (weight @ x.T).T: BLAS streams the [out, in] weight better
-# that way for the few rows of a decode step (demo-135m on the bench machine: 30 layers' linears
-# 35 vs 41 ms at 8 rows, lm_head 8.7 vs 16 ms), while plain F.linear wins for prefill chunks
-# (722 vs 783 ms at 576 rows).
-SMALL_ROWS = 64
+# fp32 CPU linears go through oneDNN with the weight reordered once into its blocked layout: on the
+# bench machine (demo-135m, 2 threads) every linear of a step plus the head took 24 ms instead of
+# 44 at 8 rows, 90 instead of 140 at 64, 770 instead of 980 at 576.
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _onednn_weight(weight: Tensor) -> Tensor:
+    """weight in oneDNN's layout, cached on the tensor until it is modified in place (loading)."""
+    cached = getattr(weight, "_onednn", None)
+    if cached is None or cached[0] != weight._version:
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in any mode
+            cached = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+        weight._onednn = cached
+    return cached[1]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T (+ bias), in the faster of two BLAS layouts on CPU."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > SMALL_ROWS:
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()
-    return out if bias is None else out.add_(bias)
+    """x @ weight.T (+ bias); through prepacked oneDNN weights for fp32 on CPU."""
+    if _ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not weight.requires_grad:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _onednn_weight(weight), bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
