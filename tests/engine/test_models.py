@@ -218,3 +218,21 @@ def test_rope_parameters_reads_both_config_layouts():
     assert rope_parameters(bare) == {"rope_type": "default", "rope_theta": 1234.0}
     with pytest.raises(ValueError, match="dynamic"):
         rope_inv_freq({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, 64, 128)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 200])
+def test_linear_matches_float64_and_follows_weight_updates(rows):
+    """The CPU path packs the weight once for oneDNN: same result as a float64 matmul, and an in-place
+    update of the weight (what loading does) is seen by the next call, not the stale packed copy."""
+    from engine.models.layers import linear
+
+    gen = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen), torch.randn(rows, 80, generator=gen)
+    for _ in range(2):
+        out = linear(x, w, b)
+        ref = x.double() @ w.double().t() + b.double()
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
+        with torch.no_grad():
+            w.mul_(-0.5)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w).double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-5)
