@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from kernels import SharedPrefix, paged_decode_attention, paged_prefill_attention, write_kv
+from kernels import DecodePlan, paged_decode_attention, paged_prefill_attention, write_kv
 
 
 @dataclass
@@ -25,8 +25,9 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: Tensor  # [num_prefills + 1] int32, offsets into the prefill part
     prefill_context_lens: Tensor  # [num_prefills] int32, cached prefix + new tokens
     backend: str | None = None  # "torch" / "triton" / None (auto)
-    # decodes that start with the same blocks (a system prompt, a forked history): attended once
-    decode_shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+    # CPU attention's gather plan for the decodes, built once per step; it attends the blocks that
+    # several decodes start with (a system prompt, a forked history) once for all of them
+    decode_plan: DecodePlan | None = None
 
 
 class Attention(nn.Module):
@@ -72,7 +73,7 @@ class Attention(nn.Module):
             meta.decode_block_tables,
             meta.decode_context_lens,
             self.scale,
-            shared_prefixes=meta.decode_shared_prefixes,
+            plan=meta.decode_plan,
             backend=meta.backend,
         )
 

@@ -7,7 +7,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs, build_decode_graphs
 from engine.scheduler import ScheduledBatch
-from kernels import SharedPrefix, copy_blocks
+from kernels import DecodePlan, SharedPrefix, copy_blocks, plan_decode
 
 # A group of decodes gets its shared prefix attended once when that saves reading at least this
 # many keys per layer: below it the extra kernel call and merge cost more than they save.
@@ -117,13 +117,6 @@ class ModelRunner:
         samples = [i for i, s in enumerate(seqs) if starts[i] + counts[i] == len(s)]
         logits_index = cu[1:][samples] - 1
 
-        shared = []
-        if dev.type == "cpu" and nd > 1:  # only the CPU attention path reads a prefix once
-            ctx = [c + n for c, n in zip(starts[:nd], counts[:nd])]
-            for members, n in find_shared_prefixes(tables[:nd], ctx, self.block_size):
-                blocks = torch.tensor(tables[members[0]][:n], dtype=torch.int64)
-                shared.append(SharedPrefix(torch.tensor(members, dtype=torch.int64), blocks))
-
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev),
             num_decode_tokens=nd,
@@ -133,9 +126,22 @@ class ModelRunner:
             prefill_cu_seqlens_q=(cu[nd:] - cu[nd]).to(torch.int32).to(dev),
             prefill_context_lens=context_lens[nd:].to(dev),
             backend=self.backend,
-            decode_shared_prefixes=shared,
         )
+        if nd and self.backend == "torch" and self.k_cache.dtype in (torch.float32, torch.float64):
+            meta.decode_plan = self._plan_decode(tables[:nd], [c + 1 for c in starts[:nd]], meta)
         return input_ids.to(dev), positions.to(dev), meta, logits_index.to(dev)
+
+    def _plan_decode(self, tables: list[list[int]], context_lens: list[int], meta: AttentionMetadata) -> DecodePlan:
+        """The PyTorch attention's gather plan for the decodes, shared by every layer, with the
+        blocks that several decodes start with attended once per group."""
+        dev = self.device
+        shared = [
+            SharedPrefix(torch.tensor(members, device=dev), torch.tensor(tables[members[0]][:n], device=dev))
+            for members, n in find_shared_prefixes(tables, context_lens, self.block_size)
+        ]
+        _, _, bs, kv_heads, head_dim = self.k_cache.shape
+        return plan_decode(meta.decode_block_tables, meta.decode_context_lens, bs, kv_heads * head_dim,
+                           self.k_cache.dtype, shared)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -13,13 +13,15 @@ from collections.abc import Sequence
 import torch
 
 from kernels import reference
-from kernels.reference import SharedPrefix
+from kernels.reference import DecodePlan, SharedPrefix, plan_decode
 
 __all__ = [
+    "DecodePlan",
     "SharedPrefix",
     "copy_blocks",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "plan_decode",
     "triton_status",
     "write_kv",
 ]
@@ -61,6 +63,7 @@ def paged_decode_attention(
     scale: float,
     *,
     shared_prefixes: Sequence[SharedPrefix] = (),
+    plan: DecodePlan | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """One new query per sequence against its paged K/V.
@@ -69,12 +72,15 @@ def paged_decode_attention(
     int32; context_lens: [B] int32 (>= 1, counting the current token). Returns [B, Hq, D].
     shared_prefixes: groups of sequences starting with the same blocks; the CPU path reads those
     blocks once per group (the result is the same; the Triton kernel reads them per sequence).
+    plan: the PyTorch path's per-step gather plan (plan_decode), shared by every layer.
     """
     if _use_triton(q, backend):
         from kernels.triton_decode import paged_decode_attention as impl
 
         return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, shared_prefixes)
+    return reference.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, shared_prefixes, plan
+    )
 
 
 def paged_prefill_attention(

@@ -12,6 +12,7 @@ Decode is the case of one query row per sequence.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,72 @@ class SharedPrefix(NamedTuple):
     blocks: torch.Tensor
 
 
+@dataclass
+class _Chunk:
+    seqs: torch.Tensor | None  # batch rows, None = all of them in order
+    slots: torch.Tensor  # [n * L] pool rows (token slots) to gather
+    mask: torch.Tensor  # [n, 1, 1, L] additive: 0 for a sequence's own keys, -inf past them
+    n: int
+    L: int
+
+
+@dataclass
+class _PrefixGroup:
+    seqs: torch.Tensor | None  # batch rows, None = all of them in order
+    blocks: torch.Tensor  # [P] the shared blocks
+    m: int
+
+
+@dataclass
+class DecodePlan:
+    """What a decode batch's attention needs that is the same in every layer (which keys each
+    sequence gathers, its mask, the shared-prefix groups): built once per step, not per layer."""
+
+    chunks: list[_Chunk]
+    prefixes: list[_PrefixGroup]
+
+
+def plan_decode(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    kv_row: int,
+    dtype: torch.dtype,
+    shared_prefixes: Sequence[SharedPrefix] = (),
+) -> DecodePlan:
+    """kv_row: Hkv * head_dim; dtype: the queries' (the masks are added to their scores)."""
+    B, dev, bs = block_tables.shape[0], block_tables.device, block_size
+    ctx = context_lens.tolist()
+    everyone = list(range(B))
+    skip = [0] * B  # keys each sequence leaves to its shared prefix
+    prefixes = []
+    for prefix in shared_prefixes:
+        members = prefix.seqs.tolist()
+        for b in members:
+            skip[b] = prefix.blocks.numel() * bs
+        prefixes.append(_PrefixGroup(None if members == everyone else prefix.seqs, prefix.blocks, len(members)))
+    own = [c - k for c, k in zip(ctx, skip)]
+    # longest first, as many sequences per chunk as KV_BUDGET holds at the chunk's longest length
+    order = sorted(everyone, key=own.__getitem__, reverse=True)
+    chunks, i = [], 0
+    while i < B:
+        L = own[order[i]]
+        n = max(1, min(B - i, KV_BUDGET // (L * 2 * kv_row)))
+        rows = everyone if n == B else order[i : i + n]
+        seqs = torch.tensor(rows, device=dev)
+        first = torch.tensor([skip[b] for b in rows], device=dev)
+        lens = context_lens.index_select(0, seqs).long()
+        # Positions past a sequence's length re-read its last token (never garbage or another
+        # sequence's slot) and are masked out of the softmax.
+        pos = torch.minimum(first[:, None] + torch.arange(L, device=dev)[None, :], lens[:, None] - 1)
+        slots = block_tables.index_select(0, seqs).long().gather(1, pos // bs) * bs + pos % bs
+        hidden = torch.arange(L, device=dev)[None, :] >= (lens - first)[:, None]
+        mask = torch.zeros(n, 1, 1, L, dtype=dtype, device=dev).masked_fill_(hidden[:, None, None, :], float("-inf"))
+        chunks.append(_Chunk(None if n == B else seqs, slots.flatten(), mask, n, L))
+        i += n
+    return DecodePlan(chunks, prefixes)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -42,79 +109,72 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     shared_prefixes: Sequence[SharedPrefix] = (),
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
-    """One query per sequence: gather each sequence's keys token by token and run the fused SDPA
-    kernel, a chunk of sequences at a time (a chunk's gathered K+V stays within KV_BUDGET).
+    """One query per sequence: gather each sequence's keys token by token and run the fused
+    attention kernel, a chunk of sequences at a time (a chunk's gathered K+V within KV_BUDGET).
 
     A shared prefix is attended once for all its sequences (cascade attention): their queries
     stack into one matrix against the prefix's K/V, read once instead of once per sequence, and
     the result merges with each sequence's own suffix through the log-sum-exp of both parts.
+    `plan` (from plan_decode with the same arguments) saves rebuilding the gather per layer.
     """
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
-    ctx = context_lens.tolist()
-    if q.dtype != k_cache.dtype or q.dtype not in (torch.float32, torch.float64) or max(ctx) * 2 * Hkv * D > KV_BUDGET:
+    if q.dtype != k_cache.dtype or q.dtype not in (torch.float32, torch.float64) or (
+        int(context_lens.max()) * 2 * Hkv * D > KV_BUDGET
+    ):
         # fp16/bf16 (fp32 math wanted) and very long contexts: the sliced online-softmax path
-        return _paged_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, ctx, scale)
-    if not q.is_cpu:  # the log-sum-exp comes from the CPU flash kernel
-        shared_prefixes = ()
-    skip = [0] * B  # keys each sequence leaves to its shared prefix
-    for prefix in shared_prefixes:
-        for b in prefix.seqs.tolist():
-            skip[b] = prefix.blocks.numel() * bs
-    out = torch.empty_like(q)
-    lse = torch.empty(B, Hq, dtype=q.dtype, device=q.device) if shared_prefixes else None
+        return _paged_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, context_lens.tolist(), scale)
+    if plan is None:
+        plan = plan_decode(block_tables, context_lens, bs, Hkv * D, q.dtype, shared_prefixes)
     # 2-D rows: index_select copies whole rows then (several times faster than on the 3-D view)
     k_rows, v_rows = k_cache.view(-1, Hkv * D), v_cache.view(-1, Hkv * D)
-    own = [c - k for c, k in zip(ctx, skip)]
-    order = sorted(range(B), key=own.__getitem__, reverse=True)
-    i = 0
-    while i < B:
-        L = own[order[i]]
-        n = max(1, min(B - i, KV_BUDGET // (L * 2 * Hkv * D)))
-        seqs = torch.tensor(order[i : i + n], device=q.device)
-        first = torch.tensor([skip[b] for b in order[i : i + n]], device=q.device)
-        lens = context_lens.index_select(0, seqs).long()
-        # Positions past a sequence's length re-read its last token (never garbage or another
-        # sequence's slot) and are masked out of the softmax.
-        pos = torch.minimum(first[:, None] + torch.arange(L, device=q.device)[None, :], lens[:, None] - 1)
-        slots = block_tables.index_select(0, seqs).long().gather(1, pos // bs) * bs + pos % bs
-        k = k_rows.index_select(0, slots.flatten()).view(n, L, Hkv, D).transpose(1, 2)
-        v = v_rows.index_select(0, slots.flatten()).view(n, L, Hkv, D).transpose(1, 2)
-        mask = (torch.arange(L, device=q.device)[None, :] < (lens - first)[:, None])[:, None, None, :]
-        qh = q.index_select(0, seqs).view(n, Hkv, G, D)  # GQA: a head group is a query row block
-        if lse is None:
-            o = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
-        else:
-            o, lse_n = _attention_lse(qh, k, v, mask, scale)
-            lse.index_copy_(0, seqs, lse_n.reshape(n, Hq))
-        out.index_copy_(0, seqs, o.reshape(n, Hq, D))
-        i += n
-    for prefix in shared_prefixes:
-        m, keys = prefix.seqs.numel(), prefix.blocks.numel() * bs
-        kp = k_cache.index_select(0, prefix.blocks).view(1, keys, Hkv, D).transpose(1, 2)
-        vp = v_cache.index_select(0, prefix.blocks).view(1, keys, Hkv, D).transpose(1, 2)
+    out = lse = None
+    for c in plan.chunks:
+        k = k_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)
+        v = v_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)
+        qh = (q if c.seqs is None else q.index_select(0, c.seqs)).view(c.n, Hkv, G, D)  # GQA: a group is a row block
+        o, lse_c = _attention_lse(qh, k, v, c.mask, scale)
+        if c.seqs is None:
+            out, lse = o.reshape(B, Hq, D), lse_c.reshape(B, Hq)
+            break
+        if out is None:
+            out, lse = torch.empty_like(q), torch.empty(B, Hq, dtype=q.dtype, device=q.device)
+        out.index_copy_(0, c.seqs, o.reshape(c.n, Hq, D))
+        lse.index_copy_(0, c.seqs, lse_c.reshape(c.n, Hq))
+    for p in plan.prefixes:
+        keys = p.blocks.numel() * bs
+        kp = k_cache.index_select(0, p.blocks).view(1, keys, Hkv, D).transpose(1, 2)
+        vp = v_cache.index_select(0, p.blocks).view(1, keys, Hkv, D).transpose(1, 2)
         # every query row of every sequence against the one copy of the prefix: [1, Hkv, m*G, D]
-        qp = q.index_select(0, prefix.seqs).view(m, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, m * G, D)
-        op, lse_p = _attention_lse(qp, kp, vp, None, scale)
-        op = op.view(Hkv, m, G, D).transpose(0, 1).reshape(m, Hq, D)
-        lse_p = lse_p.view(Hkv, m, G).transpose(0, 1).reshape(m, Hq)
-        os, lse_s = out.index_select(0, prefix.seqs), lse.index_select(0, prefix.seqs)
+        qp = q if p.seqs is None else q.index_select(0, p.seqs)
+        op, lse_p = _attention_lse(qp.view(p.m, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, p.m * G, D), kp, vp,
+                                   None, scale)
+        op = op.view(Hkv, p.m, G, D).transpose(0, 1).reshape(p.m, Hq, D)
+        lse_p = lse_p.view(Hkv, p.m, G).transpose(0, 1).reshape(p.m, Hq)
+        os, lse_s = (out, lse) if p.seqs is None else (out.index_select(0, p.seqs), lse.index_select(0, p.seqs))
         total = torch.logaddexp(lse_p, lse_s)
-        merged = op * (lse_p - total).exp_()[..., None] + os * (lse_s - total).exp_()[..., None]
-        out.index_copy_(0, prefix.seqs, merged)
+        merged = op.mul_((lse_p - total).exp_()[..., None]).add_(os * (lse_s - total).exp_()[..., None])
+        if p.seqs is None:
+            out = merged
+        else:
+            out.index_copy_(0, p.seqs, merged)
     return out
 
 
 def _attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention [..., rows, D] and the log-sum-exp of each row's scores (CPU flash kernel)."""
-    if mask is not None:  # the kernel takes an additive mask of q's dtype
-        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
-    return out, lse
+    """Softmax attention [..., rows, D] and the log-sum-exp of each row's scores; mask is additive."""
+    if q.is_cpu:  # the fused flash kernel returns both
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
 
 
 def paged_prefill_attention(

@@ -230,16 +230,16 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(llama_dir: str)
 def test_decodes_sharing_a_prefix_attend_it_once(llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four requests on one 100-token system prompt: their decodes pass the 12 shared blocks to the
     attention as one group (cascade), and every output equals the run that shares nothing."""
-    from kernels import reference
+    from engine import model_runner
 
     groups: list[list[tuple[list[int], int]]] = []
-    decode = reference.paged_decode_attention
+    plan = model_runner.plan_decode
 
     def spy(*args):
-        groups.append([(p.seqs.tolist(), p.blocks.numel()) for p in args[6]])
-        return decode(*args)
+        groups.append([(p.seqs.tolist(), p.blocks.numel()) for p in args[5]])
+        return plan(*args)
 
-    monkeypatch.setattr(reference, "paged_decode_attention", spy)
+    monkeypatch.setattr(model_runner, "plan_decode", spy)
     system, *users = random_prompts(12, [100, 3, 9, 17, 30])
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     eng = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256)
