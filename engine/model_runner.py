@@ -110,8 +110,8 @@ class ModelRunner:
         # Which sequence each token belongs to (searchsorted: repeat_interleave is ~100x slower here).
         seq_of_token = torch.searchsorted(cu[1:], token_index, right=True)
         positions = start_t[seq_of_token] + token_index - cu[seq_of_token]
-        slots = block_tables[seq_of_token, positions // self.block_size].long() * self.block_size
-        slots += positions % self.block_size
+        shift = self.block_size.bit_length() - 1  # block sizes are powers of two: shifts beat // and %
+        slots = (block_tables[seq_of_token, positions >> shift].long() << shift) | (positions & (self.block_size - 1))
         context_lens = (start_t + count_t).to(torch.int32)
         # Only sequences whose last token is in this batch produce logits (not mid-prompt chunks).
         samples = [i for i, s in enumerate(seqs) if starts[i] + counts[i] == len(s)]

@@ -87,18 +87,27 @@ def plan_decode(
         L = own[order[i]]
         n = max(1, min(B - i, KV_BUDGET // (L * 2 * kv_row)))
         rows = everyone if n == B else order[i : i + n]
-        seqs = torch.tensor(rows, device=dev)
-        first = torch.tensor([skip[b] for b in rows], device=dev)
-        lens = context_lens.index_select(0, seqs).long()
+        seqs = None if n == B else torch.tensor(rows, device=dev)
+        lens = (context_lens if seqs is None else context_lens.index_select(0, seqs)).long()
+        tables = block_tables if seqs is None else block_tables.index_select(0, seqs)
+        idx = torch.arange(L, device=dev)[None, :]
+        first = torch.tensor([skip[b] for b in rows], device=dev)[:, None] if any(skip[b] for b in rows) else 0
+        hidden = idx >= lens[:, None] - first  # past the sequence's own keys
         # Positions past a sequence's length re-read its last token (never garbage or another
         # sequence's slot) and are masked out of the softmax.
-        pos = torch.minimum(first[:, None] + torch.arange(L, device=dev)[None, :], lens[:, None] - 1)
-        slots = block_tables.index_select(0, seqs).long().gather(1, pos // bs) * bs + pos % bs
-        hidden = torch.arange(L, device=dev)[None, :] >= (lens - first)[:, None]
+        slots = _slots(tables, torch.minimum(idx + first, lens[:, None] - 1), bs)
         mask = torch.zeros(n, 1, 1, L, dtype=dtype, device=dev).masked_fill_(hidden[:, None, None, :], float("-inf"))
-        chunks.append(_Chunk(None if n == B else seqs, slots.flatten(), mask, n, L))
+        chunks.append(_Chunk(seqs, slots.flatten(), mask, n, L))
         i += n
     return DecodePlan(chunks, prefixes)
+
+
+def _slots(tables: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
+    """Pool slots of token positions [n, L] through block tables [n, max_blocks]."""
+    if bs & (bs - 1) == 0:  # shifts and masks: several times faster than // and % on CPU
+        shift = bs.bit_length() - 1
+        return (tables.long().gather(1, pos >> shift) << shift) | (pos & (bs - 1))
+    return tables.long().gather(1, pos // bs) * bs + pos % bs
 
 
 def paged_decode_attention(
