@@ -49,6 +49,7 @@ class _PrefixGroup:
     seqs: torch.Tensor | None  # batch rows, None = all of them in order
     blocks: torch.Tensor  # [P] the shared blocks
     m: int
+    first_block: int | None  # the blocks are first_block, first_block + 1, ...: read in place
 
 
 @dataclass
@@ -75,10 +76,13 @@ def plan_decode(
     skip = [0] * B  # keys each sequence leaves to its shared prefix
     prefixes = []
     for prefix in shared_prefixes:
-        members = prefix.seqs.tolist()
+        members, blocks = prefix.seqs.tolist(), prefix.blocks.tolist()
         for b in members:
-            skip[b] = prefix.blocks.numel() * bs
-        prefixes.append(_PrefixGroup(None if members == everyone else prefix.seqs, prefix.blocks, len(members)))
+            skip[b] = len(blocks) * bs
+        # a prompt's blocks, allocated together, are often consecutive in the pool
+        first_block = blocks[0] if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
+        prefixes.append(_PrefixGroup(None if members == everyone else prefix.seqs, prefix.blocks, len(members),
+                                     first_block))
     own = [c - k for c, k in zip(ctx, skip)]
     # longest first, as many sequences per chunk as KV_BUDGET holds at the chunk's longest length
     order = sorted(everyone, key=own.__getitem__, reverse=True)
@@ -155,8 +159,11 @@ def paged_decode_attention(
         lse.index_copy_(0, c.seqs, lse_c.reshape(c.n, Hq))
     for p in plan.prefixes:
         keys = p.blocks.numel() * bs
-        kp = k_cache.index_select(0, p.blocks).view(1, keys, Hkv, D).transpose(1, 2)
-        vp = v_cache.index_select(0, p.blocks).view(1, keys, Hkv, D).transpose(1, 2)
+        if p.first_block is None:
+            kp, vp = k_cache.index_select(0, p.blocks), v_cache.index_select(0, p.blocks)
+        else:
+            kp, vp = (c.narrow(0, p.first_block, p.blocks.numel()) for c in (k_cache, v_cache))
+        kp, vp = (c.view(1, keys, Hkv, D).transpose(1, 2) for c in (kp, vp))
         # every query row of every sequence against the one copy of the prefix: [1, Hkv, m*G, D]
         qp = q if p.seqs is None else q.index_select(0, p.seqs)
         op, lse_p = _attention_lse(qp.view(p.m, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, p.m * G, D), kp, vp,

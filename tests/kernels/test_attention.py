@@ -222,18 +222,35 @@ def share_prefixes(case: Case, groups: list[tuple[list[int], int]], bs: int) -> 
     return prefixes
 
 
+def renumber_first(case: Case, blocks: list[int]) -> None:
+    """Renumber the pool's blocks so that `blocks` become 0, 1, 2, ... (contents and tables follow)."""
+    nb = case.k_cache.shape[0]
+    order = blocks + [b for b in range(nb) if b not in blocks]  # order[new id] = old id
+    new_id = torch.empty(nb, dtype=torch.long)
+    new_id[torch.tensor(order)] = torch.arange(nb)
+    old = torch.tensor(order, device=DEVICE)
+    case.k_cache, case.v_cache = case.k_cache[old], case.v_cache[old]
+    case.block_tables = new_id.to(DEVICE)[case.block_tables.long()].to(torch.int32)
+
+
 @pytest.mark.parametrize("hq,hkv", HEADS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_shared_prefixes(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,consecutive", [(torch.float32, False), (torch.float32, True), (torch.float16, False)])
+def test_decode_shared_prefixes(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, dtype: torch.dtype,
+                                consecutive: bool) -> None:
     """Cascade decode: two groups share leading blocks (one member's own part is a single token),
     one sequence shares nothing. Equal to dense attention through the tables; fp16 ignores the
-    groups (it takes the sliced path), fp32 attends each prefix once."""
+    groups (it takes the sliced path), fp32 attends each prefix once, read in place when its blocks
+    are consecutive in the pool."""
     from kernels import reference
 
     bs = 8
     ctx = [3 * bs + 1, 5 * bs + 2, 4 * bs - 1, 2 * bs + 5, bs + 3, 2 * bs]
     case = make_case(ctx, [1] * len(ctx), hq, hkv, 64, bs, dtype, seed=hq + hkv)
+    if consecutive:
+        renumber_first(case, case.block_tables[1, :3].tolist())
     prefixes = share_prefixes(case, [([1, 0, 2], 3), ([4, 5], 1)], bs)
+    plan = reference.plan_decode(case.block_tables, case.context_lens, bs, hkv * 64, dtype, prefixes)
+    assert (plan.prefixes[0].first_block == 0) == consecutive
     calls: list[tuple[int, ...]] = []
     lse = reference._attention_lse
     monkeypatch.setattr(reference, "_attention_lse", lambda q, *a: calls.append(tuple(q.shape)) or lse(q, *a))
