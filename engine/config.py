@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA + triton backend)
+    num_threads: int = 0  # torch's CPU threads (process-wide); 0 = leave torch's default
     seed: int = 0
 
     def __init__(self, **kwargs) -> None:
@@ -51,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 

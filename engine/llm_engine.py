@@ -85,6 +85,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         device, dtype = torch.device(config.device), config.torch_dtype
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         block_bytes = ModelRunner.kv_bytes_per_block(
             loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, config.block_size, dtype
         )

@@ -26,6 +26,7 @@ FLAG_KEYS = {
     "dtype": "model.dtype",
     "device": "model.device",
     "backend": "model.attention_backend",
+    "threads": "model.threads",
     "block_size": "cache.block_size",
     "kv_cache_mib": "cache.kv_cache_mib",
     "num_blocks": "cache.num_blocks",
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", choices=DTYPES)
     m.add_argument("--device", help='"auto", "cpu", "cuda", "cuda:N"')
     m.add_argument("--backend", choices=BACKENDS, help="paged-attention implementation")
+    m.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (0 = one per core)")
     c = p.add_argument_group("KV cache and scheduling")
     c.add_argument("--block-size", type=int, metavar="N")
     c.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache budget (0 = automatic)")

@@ -58,6 +58,7 @@ class ModelConfig:
     device: str
     attention_backend: str = dataclasses.field(metadata={"choices": BACKENDS})
     cuda_graphs: bool
+    threads: int = dataclasses.field(metadata=_min(0))
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class Config:
             "device": self.model.device,
             "attention_backend": self.model.attention_backend,
             "cuda_graphs": self.model.cuda_graphs,
+            "num_threads": self.model.threads,
             "block_size": c.block_size,
             "kv_cache_bytes": c.kv_cache_mib * 2**20 if c.kv_cache_mib else None,
             "num_blocks": c.num_blocks or None,

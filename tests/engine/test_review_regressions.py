@@ -208,3 +208,17 @@ def test_a_conversation_takes_a_new_turn_right_after_an_abort(model_dir: str) ->
     eng.submit_turn(conv, [5], SamplingParams(max_tokens=50))
     with pytest.raises(Exception, match="still generating"):  # a turn that is running still refuses
         eng.submit_turn(conv, [5, 6], SamplingParams(max_tokens=50))
+
+
+def test_num_threads_sets_torch_threads_and_zero_leaves_them(model_dir: str) -> None:
+    before = torch.get_num_threads()
+    try:
+        LLMEngine.from_pretrained(model_dir, num_threads=1, num_blocks=16)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        LLMEngine.from_pretrained(model_dir, num_blocks=16)
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="num_threads"):
+            LLMEngine.from_pretrained(model_dir, num_threads=-1)
+    finally:
+        torch.set_num_threads(before)

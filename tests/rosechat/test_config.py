@@ -65,10 +65,12 @@ def test_user_file_found_in_platform_config_dir(tmp_path: Path, monkeypatch: pyt
 def test_cli_overrides_everything(tmp_path: Path) -> None:
     explicit = tmp_path / "c.toml"
     explicit.write_text('[model]\nname = "from-file"\ndevice = "cuda"\n')
-    c = load_config(explicit, {"model.name": "demo", "model.device": None, "cache.kv_cache_mib": 64}, user_file=None)
+    c = load_config(explicit, {"model.name": "demo", "model.device": None, "cache.kv_cache_mib": 64,
+                               "model.threads": 3}, user_file=None)
     assert c.model.name == "demo"
     assert c.model.device == "cuda"  # None means "flag not given"
     assert c.engine_kwargs()["kv_cache_bytes"] == 64 * 2**20
+    assert c.engine_kwargs()["num_threads"] == 3
 
 
 def test_unknown_key_names_key_file_and_line(tmp_path: Path) -> None:
@@ -115,6 +117,9 @@ def test_out_of_range_and_bad_choice(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(path, user_file=None)
     assert (e.value.key, e.value.line) == ("model.attention_backend", 2)
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides={"model.threads": -1}, user_file=None)
+    assert e.value.key == "model.threads"
     with pytest.raises(ConfigError) as e:
         load_config(overrides={"cache.block_size": 0}, user_file=None)
     assert e.value.key == "cache.block_size" and e.value.source == "command line"
