@@ -163,7 +163,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
         param = params.get(param_name)
         if param is None:
             raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {arch} has no parameter {param_name!r}")
-        dst = param.data
+        dst = param  # not .data: writing the parameter bumps its version, which cached packed copies check
         where = param_name
         if shard is not None:
             start, rows = _merged_module(model, param_name).shard_rows(shard)

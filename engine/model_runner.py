@@ -50,6 +50,7 @@ class ModelRunner:
         backend: str,
     ) -> None:
         self.model = model
+        assert block_size & (block_size - 1) == 0, "block sizes are powers of two (slots use shifts)"
         self.block_size = block_size
         self.device = device
         self.backend = backend

@@ -162,17 +162,17 @@ def paged_decode_attention(
         if p.first_block is None:
             kp, vp = k_cache.index_select(0, p.blocks), v_cache.index_select(0, p.blocks)
         else:
-            kp, vp = (c.narrow(0, p.first_block, p.blocks.numel()) for c in (k_cache, v_cache))
-        kp, vp = (c.view(1, keys, Hkv, D).transpose(1, 2) for c in (kp, vp))
+            kp, vp = (cache.narrow(0, p.first_block, p.blocks.numel()) for cache in (k_cache, v_cache))
+        kp, vp = (t.view(1, keys, Hkv, D).transpose(1, 2) for t in (kp, vp))
         # every query row of every sequence against the one copy of the prefix: [1, Hkv, m*G, D]
         qp = q if p.seqs is None else q.index_select(0, p.seqs)
         op, lse_p = _attention_lse(qp.view(p.m, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, p.m * G, D), kp, vp,
                                    None, scale)
         op = op.view(Hkv, p.m, G, D).transpose(0, 1).reshape(p.m, Hq, D)
         lse_p = lse_p.view(Hkv, p.m, G).transpose(0, 1).reshape(p.m, Hq)
-        os, lse_s = (out, lse) if p.seqs is None else (out.index_select(0, p.seqs), lse.index_select(0, p.seqs))
+        o_s, lse_s = (out, lse) if p.seqs is None else (out.index_select(0, p.seqs), lse.index_select(0, p.seqs))
         total = torch.logaddexp(lse_p, lse_s)
-        merged = op.mul_((lse_p - total).exp_()[..., None]).add_(os * (lse_s - total).exp_()[..., None])
+        merged = op.mul_((lse_p - total).exp_()[..., None]).add_(o_s * (lse_s - total).exp_()[..., None])
         if p.seqs is None:
             out = merged
         else:

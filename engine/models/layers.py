@@ -51,7 +51,8 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 
 
 def _onednn_weight(weight: Tensor) -> Tensor:
-    """weight in oneDNN's layout, cached on the tensor until it is modified in place (loading)."""
+    """weight in oneDNN's layout, cached on the tensor until it is modified in place (loading).
+    The cache is a second copy of the weight: fp32 on CPU trades that memory for the speed."""
     cached = getattr(weight, "_onednn", None)
     if cached is None or cached[0] != weight._version:
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in any mode

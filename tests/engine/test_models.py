@@ -236,3 +236,22 @@ def test_linear_matches_float64_and_follows_weight_updates(rows):
             w.mul_(-0.5)
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, w).double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-5)
+
+
+def test_weights_loaded_after_a_forward_replace_the_packed_copies(tmp_path):
+    """CPU linears keep a packed copy of each weight: loading another checkpoint into a model that
+    has already run must reach every projection and the head, not leave them on the old copies."""
+    from engine.loader import load_weights
+    from tests.helpers import make_tiny_model
+
+    a, b = make_tiny_model(tmp_path / "a", "llama", seed=1), make_tiny_model(tmp_path / "b", "llama", seed=2)
+    model_a, model_b = load_model(str(a)).model, load_model(str(b)).model
+    x = torch.randn(5, model_a.config.hidden_size)
+    layer_a, layer_b = model_a.model.layers[0], model_b.model.layers[0]
+    with torch.inference_mode():
+        before = layer_a.mlp(x), model_a.compute_logits(x)  # packs a's weights
+        load_weights(model_a, b)
+        after, want = (layer_a.mlp(x), model_a.compute_logits(x)), (layer_b.mlp(x), model_b.compute_logits(x))
+    assert not torch.allclose(before[0], want[0])
+    for got, ref in zip(after, want):
+        torch.testing.assert_close(got, ref)
