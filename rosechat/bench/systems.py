@@ -169,6 +169,8 @@ class _FirstTokenClock:
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         if self.first is None:
+            if input_ids.is_cuda:  # the first token exists once the GPU has computed it
+                torch.cuda.synchronize(input_ids.device)
             self.first = time.perf_counter()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
