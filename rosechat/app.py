@@ -306,7 +306,9 @@ class RoseChatApp(App[None]):
                 tab.engine_cid = self.engine.new_conversation()
         self.tabbed.active = tab.id or ""
         tab.update_system_line()
-        tab.input.focus()
+        # After the switch is laid out: focusing a widget of a pane not yet shown can leave the focus in
+        # the old pane, and TabbedContent then activates the pane that holds the focus.
+        self.call_after_refresh(tab.input.focus)
         return tab
 
     async def action_new_tab(self) -> None:
