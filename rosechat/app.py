@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,19 @@ class RoseChatApp(App[None]):
         self.sub_title = f"loading {self.config.model.name}…"
         await self.new_tab()
         self.load_engine()
+        if not self.is_headless and sys.__stdin__ is not None and sys.__stdin__.isatty():
+            self.set_interval(1.0, self._check_terminal, name="terminal")
+
+    def _check_terminal(self) -> None:
+        """Quit once the terminal is gone (its window closed, ssh dropped). A process that outlives
+        its session leader (as under `make run`) gets no SIGHUP, and Textual's input thread would
+        spin on the hung-up tty."""
+        import termios
+
+        try:
+            termios.tcgetattr(sys.__stdin__.fileno())
+        except (termios.error, OSError, ValueError):
+            self.exit()
 
     @property
     def tabbed(self) -> TabbedContent:

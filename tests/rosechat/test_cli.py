@@ -97,3 +97,31 @@ def test_bench_missing_module_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.delattr("rosechat.bench", raising=False)
     assert cli.main(["bench"]) == 2
     assert "not available" in capsys.readouterr().err
+
+
+def test_the_app_quits_when_its_terminal_goes_away(tmp_path: Path) -> None:
+    """Started the way `make run` starts it (not the terminal's session leader, so no SIGHUP when
+    the terminal closes), the app must notice the hung-up terminal and exit rather than spin."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    master, slave = pty.openpty()
+    cmd = [sys.executable, "-c", "from rosechat.cli import main; main()", "--model", "demo",
+           "--history", str(tmp_path / "h.sqlite3")]
+    env = {**os.environ, "TERM": "xterm-256color", "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True, env=env)
+    os.close(slave)
+    try:
+        seen, deadline = b"", time.monotonic() + 60
+        while b"Message" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([master], [], [], 0.5)[0]:
+                seen += os.read(master, 65536)
+        assert b"Message" in seen, seen[-500:]  # the chat input is on screen: the app runs
+        os.close(master)  # the terminal goes away
+        assert proc.wait(timeout=15) is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
