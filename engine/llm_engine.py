@@ -265,8 +265,7 @@ class LLMEngine:
                 raise RequestError(f"conversation {conversation_id!r} is still generating")
             # Aborted, its final output not yet sent: take it now, before the new turn reuses the
             # conversation's sequence; the next step sends it.
-            self._ended.append(self._output(current, True))
-            del self.groups[current.request_id]
+            self._ended.append(self._end(current))
         if messages and isinstance(messages[0], int):
             tokens, text = list(messages), None
         else:
@@ -452,22 +451,20 @@ class LLMEngine:
         outputs, self._ended = self._ended, []
         touched_ids = {g.request_id for g in touched}
         for group in touched:
-            done = self._group_done(group)
-            outputs.append(self._output(group, done))
-            if done:
-                del self.groups[group.request_id]
-                conv = self.conversations.get(group.conversation_id)
-                if conv is not None and conv.request_id == group.request_id:
-                    conv.request_id = None
+            outputs.append(self._end(group) if self._group_done(group) else self._output(group, False))
         # Aborted groups that were not scheduled this step still need their final output.
         for rid, group in list(self.groups.items()):
             if rid not in touched_ids and self._group_done(group):
-                outputs.append(self._output(group, True))
-                del self.groups[rid]
-                conv = self.conversations.get(group.conversation_id)
-                if conv is not None and conv.request_id == rid:
-                    conv.request_id = None
+                outputs.append(self._end(group))
         return outputs
+
+    def _end(self, group: SequenceGroup) -> RequestOutput:
+        """The finished group's final output; it leaves the engine and frees its conversation."""
+        del self.groups[group.request_id]
+        conv = self.conversations.get(group.conversation_id)
+        if conv is not None and conv.request_id == group.request_id:
+            conv.request_id = None
+        return self._output(group, True)
 
     @staticmethod
     def _group_done(group: SequenceGroup) -> bool:

@@ -6,7 +6,10 @@ position in block-aligned slices: gather the slice's K/V through the block table
 index_select on the pool), batched scores with GQA by reshaping q into [Hkv, G] (K/V are never
 repeated), causal/length mask, and an fp32 online softmax across slices. The budgets bound every
 intermediate, so a long context never materialises [T, L] scores or one huge gathered copy.
-Decode is the case of one query row per sequence.
+
+Decode (one query row per sequence) gathers each sequence's keys token by token and runs the fused
+CPU flash kernel; a DecodePlan holds what is the same in every layer, and blocks that several
+sequences start with are attended once for all of them (cascade attention).
 """
 
 from __future__ import annotations
