@@ -5,24 +5,39 @@ The public API; the TUI and the benchmarks use nothing else.
 
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
-from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, Usage
-from engine.llm_engine import CompletionOutput, EngineInfo, LLMEngine, RequestError, RequestOutput
-from engine.loader import ModelNotFoundError
+from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, TurnStarted, Usage
+from engine.gguf_file import GGUFError
+from engine.llm_engine import (
+    CompletionOutput,
+    ContextLengthError,
+    EngineInfo,
+    LLMEngine,
+    RequestError,
+    RequestOutput,
+)
+from engine.loader import PACKAGED_MODELS, ModelNotFoundError, ModelSource, generation_defaults, resolve_model
 from engine.sequence import SamplingParams
 
 __all__ = [
     "CacheSnapshot",
     "CompletionOutput",
+    "ContextLengthError",
     "EngineConfig",
     "EngineError",
     "EngineInfo",
     "EngineThread",
     "Finished",
     "LLMEngine",
+    "GGUFError",
     "ModelNotFoundError",
+    "ModelSource",
+    "PACKAGED_MODELS",
     "RequestError",
     "RequestOutput",
     "SamplingParams",
     "TokenDelta",
+    "TurnStarted",
     "Usage",
+    "generation_defaults",
+    "resolve_model",
 ]

@@ -41,7 +41,10 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         on_cuda = self.device.startswith("cuda")
         if on_cuda and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but CUDA is not available")
+            raise ValueError(
+                f"device {self.device!r} requested but CUDA is not available to torch {torch.__version__}; "
+                "use device 'cpu' or 'auto'"
+            )
         if self.dtype == "auto":
             self.dtype = "bfloat16" if on_cuda else "float32"
         if self.dtype not in _DTYPES:
@@ -50,6 +53,14 @@ class EngineConfig:
             self.attention_backend = "triton" if on_cuda else "torch"
         if self.attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and not on_cuda:
+            from kernels import triton_status
+
+            if triton_status() != "interpreted":  # the interpreter runs them on the CPU (tests)
+                raise ValueError(
+                    "attention_backend 'triton' needs a CUDA GPU (Triton here: "
+                    f"{triton_status()}); use 'torch' or 'auto' on the CPU"
+                )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_threads < 0:

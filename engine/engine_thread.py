@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.events import EngineError, Event, Finished, TokenDelta
+from engine.events import EngineError, Event, Finished, TokenDelta, TurnStarted
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import SamplingParams
 
@@ -137,6 +137,9 @@ class EngineThread:
                     eng.start_conversation(cid)
                 eng.submit_turn(cid, cmd[2], cmd[3], request_id=rid)
                 self._request_conv[rid] = cid
+                group = eng.groups[rid]
+                self._emit(TurnStarted(rid, cid, group.prompt_len, group.dropped_messages, group.params.max_tokens,
+                                       group.max_tokens_clamped, eng.max_model_len))
             elif kind == "abort":
                 eng.abort(cmd[1])
             elif kind == "fork":
@@ -146,7 +149,7 @@ class EngineThread:
                 # its request (if busy) ends silently with the tab: forget it
                 self._request_conv = {r: c for r, c in self._request_conv.items() if c != cmd[1]}
         except Exception as e:
-            self._emit(EngineError(rid, cid, f"{kind} failed: {e}"))
+            self._emit(EngineError(rid, cid, f"{kind} failed: {e}", getattr(e, "code", "engine_error")))
         return True
 
     def _emit_output(self, out: RequestOutput) -> None:

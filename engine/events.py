@@ -66,6 +66,19 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TurnStarted:
+    """A turn was accepted: what the model sees of the conversation and how long the reply may be."""
+
+    request_id: str
+    conversation_id: str | None
+    prompt_tokens: int
+    dropped_messages: int  # oldest messages left out so the history fits the context
+    max_tokens: int  # the reply's limit: lower than asked when the context leaves less room
+    max_tokens_clamped: bool
+    context_len: int  # tokens the context holds (prompt + reply)
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     request_id: str
     conversation_id: str | None
@@ -90,10 +103,12 @@ class EngineError:
     request_id: str | None
     conversation_id: str | None
     message: str
+    code: str = "engine_error"  # "context_length_exceeded", "invalid_request", ... (OpenAI-style)
 
 
-Event = TokenDelta | Finished | EngineError | CacheSnapshot
+Event = TurnStarted | TokenDelta | Finished | EngineError | CacheSnapshot
 
 __all__ = [
-    "CACHED", "FREE", "USED", "CacheSnapshot", "EngineError", "Event", "Finished", "TokenDelta", "Usage",
+    "CACHED", "FREE", "USED", "CacheSnapshot", "EngineError", "Event", "Finished", "TokenDelta", "TurnStarted",
+    "Usage",
 ]

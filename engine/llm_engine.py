@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,7 +16,7 @@ from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import CacheSnapshot, Usage
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, ModelSource, Progress, load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, SamplingTensors, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -23,6 +25,14 @@ from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceSta
 
 class RequestError(ValueError):
     """A request the engine cannot serve (too long, too big for the pool, empty, ...)."""
+
+    code = "invalid_request"
+
+
+class ContextLengthError(RequestError):
+    """A prompt (a chat's last message, with the system prompt) longer than the context."""
+
+    code = "context_length_exceeded"
 
 
 @dataclass
@@ -58,6 +68,8 @@ class EngineInfo:
     num_blocks: int
     block_size: int
     max_model_len: int
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's own sampling settings
+    generation_source: str = ""  # "generation_config.json", "GGUF metadata" or "" (none)
 
 
 @dataclass
@@ -65,6 +77,7 @@ class Conversation:
     conversation_id: str
     seqs: list[Sequence] = field(default_factory=list)  # parked alternatives, or the current turn's
     request_id: str | None = None  # the turn being generated
+    dropped: int = 0  # oldest messages left out last turn (the window only moves forward)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -118,9 +131,13 @@ class LLMEngine:
         torch.manual_seed(config.seed)
 
     @classmethod
-    def from_pretrained(cls, model: str, **overrides) -> LLMEngine:
-        config = EngineConfig(model=model, **overrides)
-        loaded = load_model(model, dtype=config.torch_dtype, device=torch.device(config.device))
+    def from_pretrained(
+        cls, model: str | ModelSource, progress: Progress | None = None, **overrides
+    ) -> LLMEngine:
+        """`model`: a GGUF file, a Hugging Face folder or hub id, a packaged model, "demo" (or a
+        ModelSource from resolve_model). `progress` gets a line on how far loading is."""
+        config = EngineConfig(model=str(getattr(model, "name", model)), **overrides)
+        loaded = load_model(model, dtype=config.torch_dtype, device=torch.device(config.device), progress=progress)
         return cls(loaded, config)
 
     @property
@@ -135,6 +152,8 @@ class LLMEngine:
             num_blocks=self.block_manager.num_blocks,
             block_size=c.block_size,
             max_model_len=self.max_model_len,
+            generation_defaults=dict(self.loaded.generation_defaults),
+            generation_source=self.loaded.generation_source,
         )
 
     # ------------------------------------------------------------------ requests
@@ -168,7 +187,7 @@ class LLMEngine:
         if n_prompt == 0:
             raise RequestError("the prompt is empty: nothing to generate from")
         if n_prompt >= limit:
-            raise RequestError(f"the prompt is {n_prompt} tokens; the context holds {limit} (prompt + reply)")
+            raise ContextLengthError(f"the prompt is {n_prompt} tokens; the context holds {limit} (prompt + reply)")
         if n_prompt + params.max_tokens > limit:
             raise RequestError(
                 f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
@@ -266,11 +285,17 @@ class LLMEngine:
             # Aborted, its final output not yet sent: take it now, before the new turn reuses the
             # conversation's sequence; the next step sends it.
             self._ended.append(self._end(current))
+        params = params or SamplingParams()
+        dropped = 0
         if messages and isinstance(messages[0], int):
             tokens, text = list(messages), None
         else:
-            tokens, text = self._chat_tokens(messages, conv.seqs)
-        self._validate(tokens, params or SamplingParams())
+            tokens, text, dropped = self._fit_chat(messages, conv, params.max_tokens)
+        room = self.max_model_len - len(tokens)
+        clamped = 0 < room < params.max_tokens
+        if clamped:  # a long chat still gets a reply: as long as the context leaves room for
+            params = dataclasses.replace(params, max_tokens=room)
+        self._validate(tokens, params)
         best, best_len = None, -1
         for seq in conv.seqs:
             m = common_prefix_len(seq.token_ids, tokens)
@@ -287,12 +312,52 @@ class LLMEngine:
             self.block_manager.truncate(best, min(best_len, len(tokens) - 1))
             best.token_ids += tokens[len(best) :]
         best.prompt_text, best.chat_text = text, None
-        return self.add_request(tokens, params, request_id, _conversation=conv, _seq=best)
+        request_id = self.add_request(tokens, params, request_id, _conversation=conv, _seq=best)
+        group = self.groups[request_id]
+        group.dropped_messages, group.max_tokens_clamped = dropped, clamped
+        conv.dropped = dropped
+        return request_id
+
+    def _fit_chat(
+        self, messages: list[dict[str, str]], conv: Conversation, max_tokens: int
+    ) -> tuple[list[int], str, int]:
+        """The chat's tokens with the oldest turns left out until it fits the context, leaving
+        room for a reply (a quarter of the context at most). The system prompt always stays.
+
+        The window moves forward only: a turn drops at least what the last one did, and when it
+        must drop more it frees half the context, so the next turns append to the kept part and
+        reuse its KV instead of shifting (and recomputing) the window every turn."""
+        limit = self.max_model_len
+        reserve = min(max_tokens, max(1, limit // 4))
+        system = messages[:1] if messages and messages[0].get("role") == "system" else []
+        rest = messages[len(system):]
+        last = max(len(rest) - 1, 0)  # the new message itself is never dropped
+
+        def render(dropped: int) -> tuple[list[int], str]:
+            return self._chat_tokens(system + rest[dropped:], conv.seqs)
+
+        dropped = min(conv.dropped, last)
+        tokens, text = render(dropped)
+        target = limit - reserve
+        while len(tokens) > target and dropped < last:
+            target = min(target, limit // 2)
+            dropped += 1
+            while dropped < last and rest[dropped].get("role") != "user":  # start with a user turn
+                dropped += 1
+            tokens, text = render(dropped)
+        if len(tokens) >= limit:
+            what = "the message" if dropped == last and rest else "the prompt"
+            raise ContextLengthError(
+                f"{what} is {len(tokens)} tokens with the chat template{' and system prompt' if system else ''}; "
+                f"the context holds {limit} (prompt + reply): shorten it"
+            )
+        return tokens, text, dropped
 
     def fork_conversation(self, conversation_id: str, new_id: str | None = None) -> str:
         """A new conversation sharing every computed block of the source: zero-copy."""
         src = self._conversation(conversation_id)
         cid = self.start_conversation(new_id)
+        self.conversations[cid].dropped = src.dropped
         for parent in src.seqs:
             child = Sequence(parent.token_ids)
             child.owner = cid

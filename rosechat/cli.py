@@ -54,13 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rosechat",
         description="Terminal chat for local language models on a paged KV-cache engine. "
         "Options override config.toml; see `rosechat --print-config-path`.",
-        epilog="Subcommands: `rosechat bench ...` runs the benchmarks; `rosechat info` shows the backend.",
+        epilog="Subcommands: `rosechat bench ...` runs the benchmarks; `rosechat info [options]` shows the "
+        "backend, the model and the effective sampling settings with where each comes from.",
     )
     p.add_argument("--version", action="version", version=f"rosechat {__version__}")
     p.add_argument("--config", metavar="FILE", help="a TOML file overriding the user config")
     p.add_argument("--print-config-path", action="store_true", help="print where the user config file goes")
     m = p.add_argument_group("model")
-    m.add_argument("--model", metavar="PATH_OR_ID", help='local folder, Hugging Face id, or "demo"')
+    m.add_argument("--model", metavar="PATH_OR_ID",
+                   help='a .gguf file, a Hugging Face folder or hub id, "smollm2-135m-instruct" or "demo"')
     m.add_argument("--dtype", choices=DTYPES)
     m.add_argument("--device", help='"auto", "cpu", "cuda", "cuda:N"')
     m.add_argument("--backend", choices=BACKENDS, help="paged-attention implementation")
@@ -103,18 +105,48 @@ def _bench(argv: list[str]) -> int:
     return int(bench.main(argv) or 0)
 
 
+def _info(config: rosechat_config.Config) -> int:
+    """Versions, the backend, the model and each effective sampling value with its source."""
+    from rosechat import __version__
+    from rosechat.model_choice import ModelChoiceError, choose_model
+
+    print(f"rosechat {__version__}")
+    print(backend_summary())
+    try:
+        model, notice = choose_model(config)
+    except ModelChoiceError as e:
+        print(f"model: {e}")
+        return 2
+    from engine import generation_defaults
+
+    where = f" ({model.path})" if model.path else ""
+    print(f"model: {model.display_name} [{model.kind}]{where}")
+    if notice:
+        print(f"  {notice.splitlines()[0]}")
+    source = "GGUF metadata" if model.kind == "gguf" else "generation_config.json"
+    settings = config.sampling_settings(generation_defaults(model), source)
+    print("sampling (effective value: where it comes from):")
+    for key, (value, origin) in settings.items():
+        print(f"  {key:<20} {value!s:<8} {_origin_label(config, origin)}")
+    return 0
+
+
+def _origin_label(config: rosechat_config.Config, origin: str) -> str:
+    if origin == "defaults":
+        return "rosechat default (config.toml; the model sets none)"
+    if origin == "command line":
+        return "command-line flag"
+    if origin.endswith(("GGUF metadata", "generation_config.json")):
+        return f"the model's {origin}"
+    return f"config file {origin}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
-    if argv[:1] == ["info"]:
-        from rosechat import __version__
-
-        print(f"rosechat {__version__}")
-        print(backend_summary())
-        return 0
-
-    args = build_parser().parse_args(argv)
+    info = argv[:1] == ["info"]
+    args = build_parser().parse_args(argv[1:] if info else argv)
     if args.print_config_path:
         print(rosechat_config.user_config_path())
         return 0
@@ -122,6 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides_from(args))
     except ConfigError as e:
         print(f"rosechat: config error: {e}", file=sys.stderr)
+        return 2
+    if info:
+        return _info(config)
+
+    from rosechat.model_choice import ModelChoiceError, choose_model
+
+    try:
+        model, notice = choose_model(config)
+    except ModelChoiceError as e:
+        print(f"rosechat: {e}", file=sys.stderr)
         return 2
 
     from rosechat.history import HistoryError, HistoryStore
@@ -136,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from rosechat.app import RoseChatApp
 
     try:
-        app = RoseChatApp(config, history)
+        app = RoseChatApp(config, history, model=model, model_notice=notice)
         app.run()
     finally:
         history.close()

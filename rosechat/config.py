@@ -76,6 +76,7 @@ class SamplingConfig:
     temperature: float = dataclasses.field(metadata=_min(0))
     top_p: float = dataclasses.field(metadata={"min": 0, "min_exclusive": True, "max": 1})
     top_k: int = dataclasses.field(metadata=_min(0))
+    min_p: float = dataclasses.field(metadata={"min": 0, "max": 0.99})
     max_tokens: int = dataclasses.field(metadata=_min(1))
     repetition_penalty: float = dataclasses.field(metadata={"min": 0, "min_exclusive": True})
     seed: int = dataclasses.field(metadata=_min(-1))
@@ -107,6 +108,7 @@ class Config:
     history: HistoryConfig
     ui: UIConfig
     sources: tuple[str, ...] = ()  # files that were read, lowest precedence first
+    origins: Mapping[str, str] = dataclasses.field(default_factory=dict)  # dotted key -> source that set it
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``LLMEngine.from_pretrained`` (besides the model name)."""
@@ -125,18 +127,31 @@ class Config:
             "enable_prefix_caching": c.enable_prefix_caching,
         }
 
-    def sampling_kwargs(self, n: int = 1) -> dict[str, Any]:
-        """Keyword arguments for the engine's ``SamplingParams``."""
-        s = self.sampling
-        return {
-            "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "repetition_penalty": s.repetition_penalty,
-            "seed": None if s.seed < 0 else s.seed,
-            "n": n,
-        }
+    def is_default(self, dotted: str) -> bool:
+        """Whether ``dotted`` still has the shipped default (no user file, --config or flag set it)."""
+        return not self.sources or self.origins.get(dotted) in (None, self.sources[0])
+
+    def sampling_settings(self, model_defaults: Mapping[str, Any] | None = None,
+                          model_source: str = "the model") -> dict[str, tuple[Any, str]]:
+        """Effective sampling values and where each comes from. The model's own settings
+        (generation_config.json, GGUF metadata) replace the shipped defaults, as vLLM does; a user
+        file, ``--config`` or a flag replaces the model's."""
+        model_defaults = model_defaults or {}
+        out: dict[str, tuple[Any, str]] = {}
+        for f in dataclasses.fields(SamplingConfig):
+            dotted = f"sampling.{f.name}"
+            if f.name in model_defaults and self.is_default(dotted):
+                out[f.name] = (model_defaults[f.name], model_source)
+            else:
+                source = self.origins.get(dotted, "defaults")
+                out[f.name] = (getattr(self.sampling, f.name), "defaults" if self.is_default(dotted) else source)
+        return out
+
+    def sampling_kwargs(self, n: int = 1, model_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Keyword arguments for the engine's ``SamplingParams`` (see sampling_settings)."""
+        values = {k: v for k, (v, _) in self.sampling_settings(model_defaults).items()}
+        values["seed"] = None if values["seed"] < 0 else values["seed"]
+        return {**values, "n": n}
 
     def history_path(self) -> Path:
         if self.history.path:
@@ -145,7 +160,9 @@ class Config:
 
 
 SECTIONS: dict[str, type] = {
-    f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config) if f.name != "sources"
+    f.name: typing.get_type_hints(Config)[f.name]
+    for f in dataclasses.fields(Config)
+    if f.name not in ("sources", "origins")
 }
 
 
@@ -244,7 +261,7 @@ def _suggest(name: str, known: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _apply(merged: dict[str, dict[str, Any]], layer: _Layer) -> None:
+def _apply(merged: dict[str, dict[str, Any]], layer: _Layer, origins: dict[str, str]) -> None:
     """Validate one layer and merge its values over ``merged``."""
     for table, values in layer.data.items():
         if table not in SECTIONS:
@@ -258,9 +275,10 @@ def _apply(merged: dict[str, dict[str, Any]], layer: _Layer) -> None:
             if key not in fields:
                 raise layer.error(table, key, f"unknown key{_suggest(key, list(fields))}")
             merged.setdefault(table, {})[key] = _check_value(layer, table, fields[key], hints[key], value)
+            origins[f"{table}.{key}"] = layer.source
 
 
-def _build(merged: dict[str, dict[str, Any]], sources: tuple[str, ...]) -> Config:
+def _build(merged: dict[str, dict[str, Any]], sources: tuple[str, ...], origins: dict[str, str]) -> Config:
     sections = {}
     for table, cls in SECTIONS.items():
         values = merged.get(table, {})
@@ -268,7 +286,7 @@ def _build(merged: dict[str, dict[str, Any]], sources: tuple[str, ...]) -> Confi
         if missing:  # only possible if the shipped defaults file is incomplete
             raise ConfigError("missing from the defaults file", key=f"{table}.{missing[0]}", source=sources[0])
         sections[table] = cls(**values)
-    return Config(**sections, sources=sources)
+    return Config(**sections, sources=sources, origins=origins)
 
 
 _USER_DEFAULT = object()
@@ -305,9 +323,10 @@ def load_config(
         layers.append(_Layer("command line", nested))
 
     merged: dict[str, dict[str, Any]] = {}
+    origins: dict[str, str] = {}
     for layer in layers:
-        _apply(merged, layer)
-    return _build(merged, tuple(layer.source for layer in layers))
+        _apply(merged, layer, origins)
+    return _build(merged, tuple(layer.source for layer in layers), origins)
 
 
 def default_config() -> Config:

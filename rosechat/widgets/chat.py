@@ -13,7 +13,7 @@ from textual.widgets import Input, Markdown, Static, TabPane
 from textual.widgets.markdown import MarkdownStream
 
 if TYPE_CHECKING:
-    from engine.events import Finished
+    from engine.events import Finished, TurnStarted
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 
@@ -106,6 +106,7 @@ class ChatMessage:
     content: str
     history_id: int | None = None  # row in the history store, once saved
     view: MessageView | None = field(default=None, repr=False)
+    in_context: bool = True  # False: refused as longer than the context, never sent again
 
 
 class ChatTab(TabPane):
@@ -123,6 +124,7 @@ class ChatTab(TabPane):
         self.reply: MessageView | None = None  # its view
         self.reply_replaces: ChatMessage | None = None  # set when regenerating: the reply it replaces
         self.last_finished: Finished | None = None  # the last completed reply's event
+        self.turn: TurnStarted | None = None  # the current (or last) turn: its context fit
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="chat-log"):
@@ -152,7 +154,24 @@ class ChatTab(TabPane):
     def chat_messages(self) -> list[dict[str, str]]:
         """The conversation as the engine takes it."""
         out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return out + [{"role": m.role, "content": m.content} for m in self.messages]
+        return out + [{"role": m.role, "content": m.content} for m in self.messages if m.in_context]
+
+    async def mark_context(self, dropped: int, context_len: int) -> None:
+        """Show where what the model sees begins, once the oldest messages no longer fit."""
+        kept = [m for m in self.messages if m.in_context]
+        markers = self.query(".context-marker")
+        if not dropped or dropped >= len(kept) or kept[dropped].view is None:
+            await markers.remove()
+            return
+        text = (f"⋯ the {dropped} message{'s' if dropped > 1 else ''} above "
+                f"{'are' if dropped > 1 else 'is'} left out of what the model sees: "
+                f"the context holds {context_len} tokens")
+        if markers:
+            marker = markers.first(Static)
+            marker.update(text)
+            self.log_view.move_child(marker, before=kept[dropped].view)
+        else:
+            await self.log_view.mount(Static(text, classes="context-marker"), before=kept[dropped].view)
 
     async def add_message(self, message: ChatMessage, *, n: int = 1) -> MessageView:
         view = MessageView(message.role, message.content, n=n)

@@ -8,7 +8,16 @@ import time
 
 import pytest
 
-from engine import CacheSnapshot, EngineError, EngineThread, Finished, LLMEngine, SamplingParams, TokenDelta
+from engine import (
+    CacheSnapshot,
+    EngineError,
+    EngineThread,
+    Finished,
+    LLMEngine,
+    SamplingParams,
+    TokenDelta,
+    TurnStarted,
+)
 from tests.helpers import make_tiny_model
 
 
@@ -171,10 +180,25 @@ def test_an_injected_failure_ends_only_that_request(running) -> None:
 
 def test_bad_request_becomes_an_error_event(running) -> None:
     eng, et, rec = running
-    rid = et.submit_turn(et.new_conversation(), chat("x"), SamplingParams(max_tokens=10_000))
+    rid = et.submit_turn(et.new_conversation(), chat("word " * 2000), SamplingParams(max_tokens=8))
     rec.wait_done(rid)
     err = rec.finished(rid)
-    assert isinstance(err, EngineError) and "max_tokens" in err.message
+    assert isinstance(err, EngineError) and err.code == "context_length_exceeded"
+    assert "the message is" in err.message and f"the context holds {eng.max_model_len}" in err.message
+    assert not rec.of(TurnStarted, rid)
+
+
+def test_reply_clamped_to_the_context_says_so(running) -> None:
+    """max_tokens beyond what the context leaves is lowered, not refused; TurnStarted tells the UI."""
+    eng, et, rec = running
+    rid = et.submit_turn(et.new_conversation(), chat("x"), SamplingParams(max_tokens=10_000, ignore_eos=True))
+    rec.wait_done(rid)
+    (started,) = rec.of(TurnStarted, rid)
+    assert started.max_tokens_clamped and started.max_tokens == eng.max_model_len - started.prompt_tokens
+    assert started.dropped_messages == 0 and started.context_len == eng.max_model_len
+    done = rec.finished(rid)
+    assert isinstance(done, Finished) and done.finish_reasons == ("length",)
+    assert done.usage.completion_tokens == started.max_tokens
 
 
 def test_idle_thread_uses_no_cpu(running) -> None:

