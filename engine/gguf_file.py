@@ -95,6 +95,15 @@ class GGUFModel:
 
         config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
         config.architectures = [ARCHITECTURES[self.arch]]
+        # Keys transformers' mapping leaves out or misplaces: Qwen3's head_dim is not hidden/heads
+        # (0.6B: 128 vs 64); GPT-2's context and MLP width.
+        if (key_length := self.field(f"{self.arch}.attention.key_length")) is not None and self.arch != "gpt2":
+            config.head_dim = int(key_length)
+        if self.arch == "gpt2":  # transformers maps these to names GPT2Config does not read
+            if (ffn := self.field("gpt2.feed_forward_length")) is not None:
+                config.n_inner = int(ffn)
+            if (ctx := self.field("gpt2.context_length")) is not None:
+                config.n_positions = int(ctx)
         return config
 
     def load_tokenizer(self) -> Any:

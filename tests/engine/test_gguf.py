@@ -1,0 +1,173 @@
+"""GGUF models: small files written with the `gguf` writer, loaded by the engine and compared with
+`transformers` loading the same file (logits and greedy output), plus the file-finding rules."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, GGUFError, LLMEngine, SamplingParams
+from engine.loader import ModelNotFoundError, load_model, resolve_model
+from tests.gguf_helpers import transformers_from_gguf, write_gguf
+from tests.helpers import PagedHarness, reference_logits
+
+PROMPT = "the cat sat on the mat with his friend"
+K_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+# (arch, matrix type, embedding type, tied, config overrides)
+CASES = [
+    ("llama", "F32", None, True, {}),
+    ("llama", "Q4_1", "Q8_0", True, {}),  # the real SmolLM2 file's mix: Q8_0 embedding, Q4_1 matrices
+    ("llama", "Q4_0", None, False, {}),  # an output.weight of its own
+    ("llama", "Q5_0", "Q5_1", True, {}),
+    ("llama", "Q4_K", None, True, K_SHAPE),
+    ("llama", "Q5_K", None, False, K_SHAPE),
+    ("llama", "Q6_K", "Q6_K", True, K_SHAPE),
+    ("qwen2", "Q8_0", None, True, {}),
+    ("qwen2", "F16", None, False, {}),
+    # transformers' GGUF config ignores key_length (Qwen3Config's default head_dim is 128): match it
+    ("qwen3", "BF16", None, True, {"head_dim": 128}),
+    ("gpt2", "F32", None, True, {"n_positions": 1024}),  # transformers reads n_ctx, not n_positions
+    ("gpt2", "Q8_0", None, False, {"n_positions": 1024}),
+]
+
+
+def _id(case) -> str:
+    arch, qtype, embed, tied, _ = case
+    return f"{arch}-{qtype}" + (f"-embd{embed}" if embed else "") + ("-tied" if tied else "-head")
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_logits_and_greedy_match_transformers_on_the_same_file(gguf_dir: Path, case) -> None:
+    arch, qtype, embed, tied, overrides = case
+    path = gguf_dir / f"{_id(case)}.gguf"
+    _, tok = write_gguf(path, arch, qtype=qtype, embed_qtype=embed, tie=tied, **overrides)
+    ref = transformers_from_gguf(path)
+    loaded = load_model(str(path))
+    ids = tok.encode(PROMPT).ids
+    got = PagedHarness(loaded).step(prefills=[(0, ids)])
+    want = reference_logits(ref, ids)
+    # Both dequantize with gguf's numpy code: only float32 summation order differs.
+    assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+    assert (loaded.model.lm_head is None) == tied
+
+    engine = LLMEngine(loaded, EngineConfig(block_size=8, num_blocks=64))
+    out = engine.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert out.outputs[0].token_ids == hf[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("arch, overrides", [("qwen3", {"head_dim": 32}), ("gpt2", {"n_positions": 256})])
+def test_config_keys_transformers_misses_are_read_from_the_file(gguf_dir: Path, arch, overrides) -> None:
+    """Qwen3's head_dim (attention.key_length) and GPT-2's context: compared with the model the file
+    was written from, since transformers' own GGUF load gets these shapes wrong."""
+    path = gguf_dir / f"{arch}-shape.gguf"
+    original, tok = write_gguf(path, arch, **overrides)
+    loaded = load_model(str(path))
+    ids = tok.encode(PROMPT).ids
+    got = PagedHarness(loaded).step(prefills=[(0, ids)])
+    torch.testing.assert_close(got, reference_logits(original, ids), atol=1e-4, rtol=0)
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(gguf_dir: Path) -> None:
+    path = gguf_dir / "tok.gguf"
+    _, tok = write_gguf(path, "llama")
+    loaded = load_model(str(path))
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "what is the capital of france?"}]
+    text = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n"
+                    "what is the capital of france?<|im_end|>\n<|im_start|>assistant\n")
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    # Fixed ids (the BPE trained on tests/gguf_helpers.CORPUS), and the tokenizer the file was written from.
+    assert ids == [1, 85, 331, 310, 201, 68, 71, 358, 2, 201, 1, 328, 201, 89, 314, 288, 263, 303, 295, 302,
+                   33, 2, 201, 1, 67, 281, 300, 201]
+    assert ids == tok.encode(text).ids
+    assert loaded.eos_token_ids == [2]  # tokenizer.ggml.eos_token_id: <|im_end|>
+
+
+def test_sampling_metadata_becomes_the_models_generation_defaults(gguf_dir: Path) -> None:
+    path = gguf_dir / "sampling.gguf"
+    write_gguf(path, "llama", sampling={"temp": 0.4, "top_p": 0.8, "top_k": 20, "penalty_repeat": 1.2})
+    loaded = load_model(str(path))
+    assert loaded.generation_source == "GGUF metadata"
+    assert loaded.generation_defaults == pytest.approx({"temperature": 0.4, "top_p": 0.8, "top_k": 20,
+                                                        "repetition_penalty": 1.2})
+
+
+def test_progress_is_reported_while_loading(gguf_dir: Path) -> None:
+    path = gguf_dir / "progress.gguf"
+    write_gguf(path, "llama")
+    lines: list[str] = []
+    LLMEngine.from_pretrained(str(path), progress=lines.append, num_blocks=16)
+    percents = [int(line.split()[1].rstrip("%")) for line in lines if line.startswith("weights")]
+    assert percents == sorted(percents) and percents[-1] == 100 and len(percents) > 3
+    assert any("tokenizer" in line for line in lines)
+
+
+# --- where a GGUF file can be ----------------------------------------------------------------
+
+
+def test_found_by_magic_bytes_in_a_blob_and_in_a_folder(gguf_dir: Path, tmp_path: Path) -> None:
+    src = gguf_dir / "where.gguf"
+    _, tok = write_gguf(src, "llama")
+    blob = tmp_path / "blobs" / ("sha256-" + "ab" * 32)  # Ollama's model store: no extension
+    blob.parent.mkdir()
+    shutil.copy(src, blob)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    shutil.copy(src, folder / "model-q4.gguf")
+    ids = tok.encode(PROMPT).ids
+    want = PagedHarness(load_model(str(src))).step(prefills=[(0, ids)])
+    for where in (blob, folder):
+        assert resolve_model(str(where)).kind == "gguf"
+        torch.testing.assert_close(PagedHarness(load_model(str(where))).step(prefills=[(0, ids)]), want)
+    assert resolve_model(str(folder)).display_name == "model-q4"
+
+    shutil.copy(src, folder / "other.gguf")
+    with pytest.raises(GGUFError, match="holds 2 GGUF files"):
+        resolve_model(str(folder))
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(ModelNotFoundError, match="not a GGUF model"):
+        resolve_model(str(fake))
+
+
+def test_split_files_and_other_architectures_are_refused(gguf_dir: Path, tmp_path: Path) -> None:
+    import gguf
+
+    src = gguf_dir / "split-src.gguf"
+    write_gguf(src, "llama")
+    part = tmp_path / "model-00001-of-00003.gguf"
+    shutil.copy(src, part)
+    with pytest.raises(GGUFError, match="split"):
+        resolve_model(str(part))
+
+    split = tmp_path / "split-meta.gguf"
+    writer = gguf.GGUFWriter(split, "llama")
+    writer.add_uint16("split.count", 3)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="split"):
+        resolve_model(str(split))
+
+    bert = tmp_path / "bert.gguf"
+    writer = gguf.GGUFWriter(bert, "bert")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="architecture 'bert' is not supported") as info:
+        resolve_model(str(bert))
+    assert "llama" in str(info.value) and "qwen3" in str(info.value)
