@@ -580,6 +580,19 @@ class LLMEngine:
                     done[out.request_id] = out
         return [done[i] for i in ids]
 
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [len, vocab] at every position of token_ids, from one prefill through the
+        engine's own paged path (in fresh blocks, freed after): to compare with other
+        implementations. Not while requests run (it takes blocks they may need)."""
+        if self.has_unfinished_requests():
+            raise RequestError("score() needs an idle engine")
+        seq = Sequence(token_ids)
+        self.block_manager.append_slots(seq, len(seq))
+        try:
+            return self.runner.run(ScheduledBatch([seq], [len(seq)], 0), all_logits=True)
+        finally:
+            self.block_manager.free(seq)
+
     # ------------------------------------------------------------------ introspection
     def tokens_per_s(self, window: float = 2.0) -> float:
         now = time.monotonic()

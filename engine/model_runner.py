@@ -145,8 +145,9 @@ class ModelRunner:
                            self.k_cache.dtype, shared)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward the batch; returns fp32 logits for the sequences that sample, in batch order."""
+    def run(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
+        """Forward the batch; returns fp32 logits for the sequences that sample, in batch order
+        (`all_logits`: for every token of the batch instead)."""
         self._bind_caches()
         input_ids, positions, meta, logits_index = self.prepare(batch)
         graphs, n = self.graphs, len(batch.seqs)
@@ -154,4 +155,4 @@ class ModelRunner:
             hidden = graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[logits_index])
+        return self.model.compute_logits(hidden if all_logits else hidden[logits_index])

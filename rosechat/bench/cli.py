@@ -1,5 +1,6 @@
 """`rosechat bench [chat|multiturn|random|decode-overhead] [options]`: the rosechat engine next to
-`transformers` in one process, on the same weights, dtype and thread count."""
+`transformers` in one process, on the same weights, dtype and thread count.
+(`rosechat bench parity` checks a real model's logits against `transformers`: see parity.py.)"""
 
 from __future__ import annotations
 
