@@ -38,6 +38,7 @@ SAMPLING_KEYS = {
     "general.sampling.top_k": "top_k",
     "general.sampling.min_p": "min_p",
     "general.sampling.penalty_repeat": "repetition_penalty",
+    "general.sampling.penalty_last_n": "repetition_window",
 }
 
 

@@ -92,6 +92,14 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def _penalised(seq: Sequence) -> list[int]:
+    """The tokens a repetition penalty looks at (see SamplingParams.repetition_window)."""
+    window = seq.group.params.repetition_window
+    if window is None:
+        return seq.token_ids
+    return seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window):]
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded
@@ -466,7 +474,7 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         params = [s.group.params for s in seqs]
         st = SamplingTensors.build(params, [s.generator for s in seqs], logits.device)
-        seen = [s.token_ids for s in seqs] if any(p.repetition_penalty != 1.0 for p in params) else None
+        seen = [_penalised(s) for s in seqs] if any(p.repetition_penalty != 1.0 for p in params) else None
         return self.sampler(logits, st, seen).tolist()
 
     def _append_tokens(self, seqs: list[Sequence], tokens: list[int]) -> None:

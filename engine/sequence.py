@@ -20,6 +20,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # tokens the penalty looks at: None = prompt and output (transformers, vLLM); N = the last N
+    # tokens of this reply only, so words of the question (or the chat so far) are not penalised
+    repetition_window: int | None = None
     n: int = 1
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -41,6 +44,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_window is not None and self.repetition_window < 1:
+            raise ValueError(f"repetition_window must be >= 1 or None, got {self.repetition_window}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

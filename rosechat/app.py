@@ -9,8 +9,10 @@ message when something is pending, and its handler applies the coalesced batch o
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,6 +104,7 @@ class RoseChatApp(App[None]):
         self.load_error: str | None = None  # why no model could be loaded
         self._colors = 0
         self._drain_posted = False
+        self._terminal_watch_done = threading.Event()
 
     # ------------------------------------------------------------------ layout and start-up
     def compose(self) -> ComposeResult:
@@ -122,18 +125,32 @@ class RoseChatApp(App[None]):
         await self.new_tab()
         self.load_engine()
         if not self.is_headless and sys.__stdin__ is not None and sys.__stdin__.isatty():
-            self.set_interval(1.0, self._check_terminal, name="terminal")
+            threading.Thread(target=self._watch_terminal, name="rosechat-terminal", daemon=True).start()
 
-    def _check_terminal(self) -> None:
-        """Quit once the terminal is gone (its window closed, ssh dropped). A process that outlives
-        its session leader (as under `make run`) gets no SIGHUP, and Textual's input thread would
-        spin on the hung-up tty."""
+    def _watch_terminal(self) -> None:
+        """Thread: quit once the terminal is gone (its window closed, ssh dropped). A process that
+        outlives its session leader (as under `make run`) gets no SIGHUP; Textual's output thread
+        dies on the hung-up tty, after which a screen update can block the event loop for good. So
+        this runs off the loop: it asks the app to exit and ends the process if it cannot. (Saved
+        history is committed message by message; nothing is left to show.)"""
         import termios
 
-        try:
-            termios.tcgetattr(sys.__stdin__.fileno())
-        except (termios.error, OSError, ValueError):
-            self.exit()
+        fd = sys.__stdin__.fileno()
+        while not self._terminal_watch_done.wait(1.0):
+            try:
+                termios.tcgetattr(fd)
+            except (termios.error, OSError, ValueError):
+                break
+        else:
+            return  # the app ended normally
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self.exit)
+            except RuntimeError:  # the loop is closed: the app is ending anyway
+                return
+        if not self._terminal_watch_done.wait(3.0):
+            os._exit(0)
 
     @property
     def tabbed(self) -> TabbedContent:
@@ -152,6 +169,30 @@ class RoseChatApp(App[None]):
         pane = self.tabbed.active_pane
         return pane if isinstance(pane, ChatTab) else None
 
+    class ModelProgress(Message):
+        """How far loading is (from the loader thread)."""
+
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    class ModelLoaded(Message):
+        def __init__(self, llm: LLMEngine) -> None:
+            super().__init__()
+            self.llm = llm
+
+    class ModelFailed(Message):
+        def __init__(self, error: str) -> None:
+            super().__init__()
+            self.error = error
+
+    def _post(self, message: Message) -> None:
+        """From the loader thread: never blocks on the UI, so a closing app cannot hang it."""
+        try:
+            self.post_message(message)
+        except RuntimeError:  # the event loop is closed: the app has gone
+            pass
+
     @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
     def load_engine(self) -> None:
         """Thread worker: loading weights takes seconds to minutes; the loading line shows how far."""
@@ -164,40 +205,30 @@ class RoseChatApp(App[None]):
             if self.model is None:  # the command line chose it already; tests may not have
                 self.model, self.model_notice = choose_model(self.config)
             name = self.model.display_name
-            self._from_thread(self._set_loading_label, f"Loading {name}…")
-            say = lambda line: self._from_thread(self._set_loading_label, f"Loading {name}: {line}")  # noqa: E731
-            llm = factory(self.model, say)
+            self._post(self.ModelProgress(f"Loading {name}…"))
+            llm = factory(self.model, lambda line: self._post(self.ModelProgress(f"Loading {name}: {line}")))
         except ModelChoiceError as e:
-            self._from_thread(self._engine_failed, str(e))
-            return
+            self._post(self.ModelFailed(str(e)))
         except Exception as e:  # a broken checkpoint...: say so; the app stays up to say it
-            self._from_thread(self._engine_failed, f"{type(e).__name__}: {e}")
-            return
-        if not self._from_thread(self._engine_loaded, llm, self.model_notice):
-            return  # the app closed while loading
+            self._post(self.ModelFailed(f"{type(e).__name__}: {e}"))
+        else:
+            self._post(self.ModelLoaded(llm))
 
-    def _from_thread(self, fn: Callable[..., Any], *args: Any) -> bool:
-        try:
-            self.call_from_thread(fn, *args)
-            return True
-        except RuntimeError:  # the app is no longer running
-            return False
+    def on_rose_chat_app_model_progress(self, event: ModelProgress) -> None:
+        if self.engine is None and self.load_error is None:
+            self.query_one("#loading-label", Label).update(escape(event.text))
 
-    def _set_loading_label(self, text: str) -> None:
-        self.query_one("#loading-label", Label).update(escape(text))
-
-    def _engine_failed(self, message: str) -> None:
-        self.load_error = message
+    def on_rose_chat_app_model_failed(self, event: ModelFailed) -> None:
+        self.load_error = event.error
         self.query_one(LoadingIndicator).display = False
-        self._set_loading_label(f"Could not load the model: {message}")
+        self.query_one("#loading-label", Label).update(escape(f"Could not load the model: {event.error}"))
         self.sub_title = "no model"
-        self.notify(message, title="Model failed to load", severity="error", timeout=30)
+        self.notify(event.error, title="Model failed to load", severity="error", timeout=30)
 
-    def _engine_loaded(self, llm: LLMEngine, notice: str | None) -> None:
+    def on_rose_chat_app_model_loaded(self, event: ModelLoaded) -> None:
         from engine import EngineThread
 
-        self.llm = llm
-        self.model_notice = notice
+        llm = self.llm = event.llm
         self.engine = EngineThread(llm, self.events.push)
         self.engine.start()
         info = llm.info
@@ -209,8 +240,8 @@ class RoseChatApp(App[None]):
             if tab.engine_cid is None:
                 tab.engine_cid = self.engine.new_conversation()
         self.set_interval(1 / DRAIN_HZ, self._poll_events, name="engine-events")
-        if notice:
-            self.notify(notice, title="Model not found", severity="warning", timeout=15)
+        if self.model_notice:
+            self.notify(self.model_notice, title="Model not found", severity="warning", timeout=15)
         if self.kv_panel.display:
             self.engine.request_snapshot()
 
@@ -617,6 +648,12 @@ class RoseChatApp(App[None]):
                     m.history_id = None
 
     # ------------------------------------------------------------------ shutdown
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().run(*args, **kwargs)
+        finally:  # fully closed (driver included): the terminal watch can stand down
+            self._terminal_watch_done.set()
+
     async def on_unmount(self) -> None:
         await self.shutdown_engine()
 

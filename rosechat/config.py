@@ -79,6 +79,7 @@ class SamplingConfig:
     min_p: float = dataclasses.field(metadata={"min": 0, "max": 0.99})
     max_tokens: int = dataclasses.field(metadata=_min(1))
     repetition_penalty: float = dataclasses.field(metadata={"min": 0, "min_exclusive": True})
+    repetition_window: int = dataclasses.field(metadata=_min(0))
     seed: int = dataclasses.field(metadata=_min(-1))
 
 
@@ -86,6 +87,7 @@ class SamplingConfig:
 class ChatConfig:
     system_prompt: str
     alternatives: int = dataclasses.field(metadata={"min": 1, "max": 9})
+    alternatives_temperature: float = dataclasses.field(metadata=_min(0))
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,9 @@ class Config:
         """Keyword arguments for the engine's ``SamplingParams`` (see sampling_settings)."""
         values = {k: v for k, (v, _) in self.sampling_settings(model_defaults).items()}
         values["seed"] = None if values["seed"] < 0 else values["seed"]
+        values["repetition_window"] = values["repetition_window"] or None
+        if n > 1:  # alternatives are samples: greedy ones would all be the same reply
+            values["temperature"] = max(values["temperature"], self.chat.alternatives_temperature)
         return {**values, "n": n}
 
     def history_path(self) -> Path:

@@ -439,3 +439,71 @@ async def test_header_and_loading(tmp_path: Path) -> None:
         for part in (info.name, info.device, info.backend, "DEMO"):
             assert part in app.sub_title
         assert not app.query_one("#loading").display
+
+
+def _footer(view) -> str:
+    return str(view.query_one(".reply-footer").render())
+
+
+async def test_long_chats_leave_out_old_turns_with_a_marker_and_lose_nothing(tmp_path: Path) -> None:
+    # 16 blocks of 16 tokens: a 256-token context, a few turns of the demo model outgrow it
+    app = make_app(tmp_path, **{"cache.num_blocks": 16, "sampling.max_tokens": 40, "sampling.temperature": 0.0})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        calls = spy_submit(app)
+        tab = app.active_tab
+        for i in range(6):
+            await send(pilot, f"message {i}: " + "the cat sat on the mat and the dog ran to the river " * 2)
+            await wait_for(pilot, lambda: replied(tab), f"reply {i}")
+        assert app.llm.info.max_model_len == 256
+        markers = tab.query(".context-marker")
+        assert len(markers) == 1, "no marker after outgrowing the context"
+        text = str(markers.first().render())
+        assert "left out of what the model sees" in text and "256 tokens" in text
+        # the marker sits right before the first message the model still sees
+        dropped = tab.turn.dropped_messages
+        children = list(tab.log_view.children)
+        assert children.index(markers.first()) + 1 == children.index(tab.messages[dropped].view)
+        assert calls[-1][0]["role"] == "system"  # the app still sends everything; the engine fits it
+        # nothing the user typed is lost from the saved history
+        saved = app.history.load(tab.history_id)
+        assert [m.content for m in saved.messages if m.role == "user"] == [
+            m.content for m in tab.messages if m.role == "user"]
+        assert len(saved.messages) == 12
+
+
+async def test_a_message_longer_than_the_context_is_refused_and_not_resent(tmp_path: Path) -> None:
+    app = make_app(tmp_path, **{"cache.num_blocks": 16})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        calls = spy_submit(app)
+        tab = app.active_tab
+        huge = "the cat sat on the mat " * 80
+        await send(pilot, huge)
+        await wait_for(pilot, lambda: not tab.generating, "the refusal")
+        message = tab.messages[-1]
+        assert message.role == "user" and message.content == huge.strip() and not message.in_context
+        assert message.view.has_class("-excluded") and "not sent to the model" in _footer(message.view)
+        assert "the context holds 256" in _footer(message.view)
+        await send(pilot, "a short one")
+        await wait_for(pilot, lambda: replied(tab), "the next reply")
+        assert [m["content"] for m in calls[-1]] == [tab.system_prompt, "a short one"]
+        saved = app.history.load(tab.history_id)
+        assert huge.strip() in [m.content for m in saved.messages]  # kept in the saved history
+
+
+async def test_the_footer_says_when_the_context_limits_the_reply(tmp_path: Path) -> None:
+    app = make_app(tmp_path, **{"cache.num_blocks": 8, "sampling.max_tokens": 2000})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = app.active_tab
+        await send(pilot, "hello")
+        await wait_for(pilot, lambda: tab.turn is not None, "the turn to start")
+        assert tab.turn.max_tokens_clamped and tab.turn.max_tokens < 128
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        view = tab.messages[-1].view
+        event = tab.last_finished
+        if event.finish_reasons == ("length",):
+            assert "context full" in _footer(view)
+        else:  # the random model may stop by itself first
+            assert "context" not in _footer(view)

@@ -1,0 +1,94 @@
+"""Conversations never get stuck on the context: replies are clamped to what fits, the oldest turns
+(never the system prompt) are left out once the history outgrows the context, and the kept part's
+KV is reused; a single message longer than the context is refused without harming the conversation."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import ContextLengthError, LLMEngine, SamplingParams
+from tests.helpers import make_tiny_model
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # a 256-token context: a few turns outgrow it
+    return str(make_tiny_model(tmp_path_factory.mktemp("ctx") / "m", "llama", max_position_embeddings=256))
+
+
+def _turn(eng: LLMEngine, cid: str, messages: list[dict[str, str]], max_tokens: int = 16):
+    rid = eng.submit_turn(cid, messages, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    group = eng.groups[rid]
+    dropped, clamped, max_tokens = group.dropped_messages, group.max_tokens_clamped, group.params.max_tokens
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished and out.request_id == rid:
+                result = out
+        eng.block_manager.check_invariants()
+    return result, dropped, clamped, max_tokens
+
+
+def test_oldest_turns_are_left_out_and_the_window_moves_forward_only(model_dir: str) -> None:
+    eng = LLMEngine.from_pretrained(model_dir, block_size=8, num_blocks=128)
+    assert eng.max_model_len == 256
+    cid = eng.start_conversation()
+    history: list[dict[str, str]] = []
+    seen_drops = []
+    prefilled_after_drop = []
+    for i in range(14):
+        history.append({"role": "user", "content": f"question number {i} about the cat and the dog " * 2})
+        out, dropped, clamped, _ = _turn(eng, cid, [SYSTEM, *history])
+        assert len(out.prompt_token_ids) + out.usage.completion_tokens <= eng.max_model_len
+        assert not clamped  # room for the whole reply is kept when turns are dropped
+        # the system prompt is always what the model sees first
+        text = eng.tokenizer.decode(out.prompt_token_ids)
+        assert text.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"), text
+        if dropped:
+            assert history[dropped]["role"] == "user"  # the kept part starts with a user turn
+            kept = eng.tokenizer.apply_chat_template([SYSTEM, *history[dropped:]], tokenize=False,
+                                                     add_generation_prompt=True)
+            assert text == kept
+        if seen_drops and dropped == seen_drops[-1] and dropped:
+            prefilled_after_drop.append((out.usage.prefilled_tokens, out.usage.prompt_tokens))
+        assert not seen_drops or dropped >= seen_drops[-1]  # forward only
+        seen_drops.append(dropped)
+        history.append({"role": "assistant", "content": out.outputs[0].text})
+    assert seen_drops[-1] > 0, seen_drops
+    # After a drop, half the context is free: the next turns append to the kept part and reuse its KV.
+    assert prefilled_after_drop, seen_drops
+    for prefilled, prompt in prefilled_after_drop:
+        assert prefilled < prompt // 2, (prefilled, prompt)
+
+
+def test_reply_is_clamped_to_what_the_context_leaves(model_dir: str) -> None:
+    eng = LLMEngine.from_pretrained(model_dir, block_size=8, num_blocks=128)
+    cid = eng.start_conversation()
+    out, dropped, clamped, max_tokens = _turn(eng, cid, [SYSTEM, {"role": "user", "content": "hi"}], 1000)
+    assert clamped and dropped == 0
+    assert max_tokens == eng.max_model_len - len(out.prompt_token_ids)
+    assert out.outputs[0].finish_reason == "length" and out.usage.completion_tokens == max_tokens
+
+
+def test_small_pool_clamps_instead_of_failing(model_dir: str) -> None:
+    """A pool smaller than the model's context is the context: a turn still gets a reply."""
+    eng = LLMEngine.from_pretrained(model_dir, block_size=8, num_blocks=12)  # 96 tokens
+    assert eng.max_model_len == 96
+    cid = eng.start_conversation()
+    out, _, clamped, _ = _turn(eng, cid, [SYSTEM, {"role": "user", "content": "tell me a long story " * 3}], 512)
+    assert clamped and out.usage.completion_tokens > 0
+
+
+def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(model_dir: str) -> None:
+    eng = LLMEngine.from_pretrained(model_dir, block_size=8, num_blocks=128)
+    cid = eng.start_conversation()
+    first, *_ = _turn(eng, cid, [SYSTEM, {"role": "user", "content": "hello"}])
+    history = [SYSTEM, {"role": "user", "content": "hello"}, {"role": "assistant", "content": first.outputs[0].text}]
+    huge = {"role": "user", "content": "word " * 400}
+    with pytest.raises(ContextLengthError, match=r"the message is \d+ tokens .* the context holds 256") as info:
+        eng.submit_turn(cid, [*history, huge], SamplingParams(max_tokens=8))
+    assert info.value.code == "context_length_exceeded"
+    # The conversation is intact: the next turn (without the refused message) reuses its KV.
+    out, dropped, *_ = _turn(eng, cid, [*history, {"role": "user", "content": "and now?"}])
+    assert dropped == 0 and out.usage.prefilled_tokens < out.usage.prompt_tokens // 2
