@@ -126,10 +126,7 @@ def load_model(
 
 def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, say: Progress) -> LoadedModel:
     gguf = source.gguf or GGUFModel(source.path)
-    say("reading the config…")
-    config = gguf.load_config()
-    say("building the tokenizer…")
-    tokenizer = gguf.load_tokenizer()
+    config, tokenizer = gguf.config_and_tokenizer(say)
     net = build_model(config, dtype, device)
     size = source.path.stat().st_size / 2**20
 

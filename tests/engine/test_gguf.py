@@ -171,3 +171,37 @@ def test_split_files_and_other_architectures_are_refused(gguf_dir: Path, tmp_pat
     with pytest.raises(GGUFError, match="architecture 'bert' is not supported") as info:
         resolve_model(str(bert))
     assert "llama" in str(info.value) and "qwen3" in str(info.value)
+
+
+def test_config_and_tokenizer_are_converted_once_then_cached(gguf_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from engine import gguf_file
+
+    monkeypatch.setenv("ROSECHAT_CACHE_DIR", str(tmp_path / "cache"))
+    path = gguf_dir / "cached.gguf"
+    _, tok = write_gguf(path, "qwen3", head_dim=32)  # a key transformers' conversion misses
+    first = load_model(str(path))
+    (folder,) = (tmp_path / "cache" / "gguf").iterdir()
+    assert (folder / "config.json").is_file() and folder.name.startswith("cached-")
+
+    def no_conversion(self):
+        raise AssertionError("converted again despite the cache")
+
+    monkeypatch.setattr(gguf_file.GGUFModel, "load_config", no_conversion)
+    monkeypatch.setattr(gguf_file.GGUFModel, "load_tokenizer", no_conversion)
+    again = load_model(str(path))
+    assert again.config.head_dim == 32 and again.config.architectures == ["Qwen3ForCausalLM"]
+    messages = [{"role": "user", "content": "hello there"}]
+    render = lambda t: t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # noqa: E731
+    assert render(again.tokenizer) == render(first.tokenizer)
+    text = render(first.tokenizer)
+    assert again.tokenizer.encode(text, add_special_tokens=False) == tok.encode(text).ids
+    assert again.eos_token_ids == first.eos_token_ids
+    ids = tok.encode(PROMPT).ids
+    torch.testing.assert_close(PagedHarness(again).step(prefills=[(0, ids)]),
+                               PagedHarness(first).step(prefills=[(0, ids)]))
+
+    # A damaged cache is converted again, not trusted.
+    monkeypatch.undo()
+    monkeypatch.setenv("ROSECHAT_CACHE_DIR", str(tmp_path / "cache"))
+    (folder / "tokenizer_config.json").write_text("{not json")
+    assert load_model(str(path)).tokenizer.encode(text, add_special_tokens=False) == tok.encode(text).ids
