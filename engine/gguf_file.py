@@ -173,6 +173,16 @@ class GGUFModel:
         """The generation settings the file carries (general.sampling.*), as SamplingParams fields."""
         return {name: self.field(key) for key, name in SAMPLING_KEYS.items() if self.field(key) is not None}
 
+    def rope_factors(self) -> Tensor | None:
+        """Llama 3.x RoPE scaling as llama.cpp stores it: a divisor per rotary frequency
+        (rope_freqs.weight), which transformers' GGUF config does not carry over."""
+        from gguf import dequantize
+
+        for t in self.reader.tensors:
+            if t.name == "rope_freqs.weight":
+                return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).flatten()
+        return None
+
     # ------------------------------------------------------------------ tensors
     def iter_tensors(
         self, model: nn.Module, config: Any, progress: Callable[[int, int], None] | None = None
@@ -185,7 +195,7 @@ class GGUFModel:
         for i, t in enumerate(tensors):
             hf = names.get(t.name)
             if hf is None:
-                if t.name.startswith("rope_freqs"):  # llama.cpp's precomputed RoPE factors: recomputed
+                if t.name == "rope_freqs.weight":  # applied by rope_factors(), not a parameter
                     continue
                 raise GGUFError(f"{self.path.name}: tensor {t.name!r} has no place in {ARCHITECTURES[self.arch]}")
             # numpy shape is the GGUF shape reversed: [out, in], as torch's Linear holds it

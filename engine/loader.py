@@ -134,6 +134,11 @@ def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, sa
         if done == total or done * 20 // total != (done - 1) * 20 // total:  # every 5 %
             say(f"weights {done * 100 // total}% of a {size:.0f} MiB file")
     load_weights(net, gguf.iter_tensors(net, config, step), where=source.path.name)
+    if (factors := gguf.rope_factors()) is not None:  # only Llama-family files carry them
+        try:
+            net.model.rotary.divide_frequencies(factors)
+        except ValueError as e:
+            raise WeightLoadError(f"{source.path.name}: rope_freqs.weight does not fit: {e}") from e
     net.eval()
     eos = [i for i in [*gguf.eos_token_ids(), tokenizer.eos_token_id] if i is not None]
     loaded = _loaded(net, config, tokenizer, source.display_name, False, list(dict.fromkeys(eos)))

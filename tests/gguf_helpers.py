@@ -143,6 +143,14 @@ def write_gguf(
             data = permute_qk(data, heads)
         chosen = embed_qtype if name == "token_embd.weight" and embed_qtype else qtype
         _add(writer, name, data, chosen if data.ndim == 2 else "F32", rng)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":  # llama.cpp stores Llama 3 scaling as per-frequency divisors
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+        dim = config.hidden_size // config.num_attention_heads
+        plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -192,6 +192,13 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq, self.attention_scale = rope_inv_freq(params, head_dim, max_position)
         self._cache: tuple[Tensor, Tensor] | None = None  # cos, sin: [max_position, head_dim // 2]
 
+    def divide_frequencies(self, factors: Tensor) -> None:
+        """Divide each frequency by a factor (llama.cpp's rope_freqs: Llama 3.x RoPE scaling)."""
+        if factors.shape != self.inv_freq.shape:
+            raise ValueError(f"{factors.numel()} RoPE factors for {self.inv_freq.numel()} frequencies")
+        self.inv_freq = self.inv_freq / factors.to(self.inv_freq)
+        self._cache = None
+
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin: [T, 1, head_dim // 2] for the positions, broadcastable over heads."""
         cache = self._cache

@@ -66,15 +66,22 @@ def test_logits_and_greedy_match_transformers_on_the_same_file(gguf_dir: Path, c
     assert out.outputs[0].token_ids == hf[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("arch, overrides", [("qwen3", {"head_dim": 32}), ("gpt2", {"n_positions": 256})])
+LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+
+
+@pytest.mark.parametrize("arch, overrides", [("qwen3", {"head_dim": 32}), ("gpt2", {"n_positions": 256}),
+                                             ("llama", LLAMA3_ROPE)], ids=["qwen3", "gpt2", "llama3-rope"])
 def test_config_keys_transformers_misses_are_read_from_the_file(gguf_dir: Path, arch, overrides) -> None:
-    """Qwen3's head_dim (attention.key_length) and GPT-2's context: compared with the model the file
-    was written from, since transformers' own GGUF load gets these shapes wrong."""
+    """Qwen3's head_dim (attention.key_length), GPT-2's context and Llama 3's RoPE scaling (the
+    rope_freqs tensor): compared with the model the file was written from, since transformers' own
+    GGUF load gets these wrong."""
     path = gguf_dir / f"{arch}-shape.gguf"
     original, tok = write_gguf(path, arch, **overrides)
     loaded = load_model(str(path))
     ids = tok.encode(PROMPT).ids
-    got = PagedHarness(loaded).step(prefills=[(0, ids)])
+    ids = (ids * 8)[:200]  # long enough for the scaled low frequencies to matter
+    got = PagedHarness(loaded, num_blocks=64).step(prefills=[(0, ids)])
     torch.testing.assert_close(got, reference_logits(original, ids), atol=1e-4, rtol=0)
 
 
