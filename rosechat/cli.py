@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rosechat.model_choice import ModelChoiceError, choose_model
 
+    if sys.stderr.isatty():  # the check reads the model file's header: say why the screen waits
+        print(f"rosechat: opening {config.model.name}…", file=sys.stderr, flush=True)
     try:
         model, notice = choose_model(config)
     except ModelChoiceError as e:
