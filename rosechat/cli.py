@@ -20,6 +20,8 @@ def backend_summary() -> str:
     return f"torch {torch.__version__} | device {device} | triton {triton_status()}"
 
 
+CLEAR_LINE = "\x1b[2K"  # erase the terminal line (the "opening…" status)
+
 # flag dest -> dotted config key. Flags left out (None) do not override anything.
 FLAG_KEYS = {
     "model": "model.name",
@@ -160,12 +162,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from rosechat.model_choice import ModelChoiceError, choose_model
 
-    if sys.stderr.isatty():  # the check reads the model file's header: say why the screen waits
-        print(f"rosechat: opening {config.model.name}…", file=sys.stderr, flush=True)
+    tty = sys.stderr.isatty()
+    if tty:  # the check reads the model file's header: say why the screen waits (erased after)
+        print(f"rosechat: opening {config.model.name}…", end="\r", file=sys.stderr, flush=True)
     try:
         model, notice = choose_model(config)
     except ModelChoiceError as e:
-        print(f"rosechat: {e}", file=sys.stderr)
+        print(f"{CLEAR_LINE if tty else ''}rosechat: {e}", file=sys.stderr)
         return 2
 
     from rosechat.history import HistoryError, HistoryStore
