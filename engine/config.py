@@ -25,7 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA + triton backend)
     num_threads: int = 0  # torch's CPU threads (process-wide); 0 = leave torch's default
-    seed: int = 0
+    seed: int | None = None  # the global RNG of unseeded requests; None = fresh per process
 
     def __init__(self, **kwargs) -> None:
         known = {f.name for f in fields(self)}

@@ -136,7 +136,12 @@ class LLMEngine:
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) for tokens/s
         self.prefill_tokens = 0  # tokens computed by prefill over the engine's life (bench figure)
         self._ended: list[RequestOutput] = []  # final outputs taken before a step, sent with the next
-        torch.manual_seed(config.seed)
+        # Unseeded requests draw from torch's global RNG, whose start-up seed is a constant:
+        # reseed it from the OS so the same first message gets a different reply each launch.
+        if config.seed is None:
+            torch.seed()
+        else:
+            torch.manual_seed(config.seed)
 
     @classmethod
     def from_pretrained(

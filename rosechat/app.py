@@ -162,7 +162,7 @@ class RoseChatApp(App[None]):
 
     @property
     def tabs(self) -> list[ChatTab]:
-        return list(self.tabbed.query(ChatTab))
+        return list(self.query(ChatTab))  # in tab order; empty (not an error) while closing
 
     @property
     def active_tab(self) -> ChatTab | None:
@@ -286,7 +286,8 @@ class RoseChatApp(App[None]):
                 self._engine_error(end)
         if batch.snapshot is not None:
             self.last_snapshot = batch.snapshot
-            self.kv_panel.show(batch.snapshot, self.owner_styles())
+            for panel in self.query(KVPanel):  # none once the app is closing: a late snapshot is dropped
+                panel.show(batch.snapshot, self.owner_styles())
 
     async def _turn_started(self, tab: ChatTab, ev: TurnStarted) -> None:
         tab.turn = ev

@@ -360,3 +360,16 @@ def test_two_engines_on_one_loaded_model_keep_their_own_caches(llama_dir: str) -
     # a's prefix-cache hits must read a's pool, not b's
     assert a.generate([prompt], p)[0].outputs[0].token_ids == first
     assert a.block_manager.prefix_hits > 0
+
+
+def test_unseeded_sampling_differs_between_engines_and_an_engine_seed_repeats(llama_dir: str) -> None:
+    """sampling.seed = -1 must not repeat across launches (torch's start-up RNG seed is a constant)."""
+    prompt = [[5, 6, 7, 8, 9, 10]]
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+
+    def sample(**engine_options) -> list[int]:
+        eng = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=32, **engine_options)
+        return eng.generate(prompt, params)[0].outputs[0].token_ids
+
+    assert sample() != sample()
+    assert sample(seed=5) == sample(seed=5)

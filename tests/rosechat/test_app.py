@@ -531,3 +531,17 @@ async def test_the_loading_line_shows_progress(tmp_path: Path) -> None:
         shown.set()
         await ready(pilot)
         assert not app.query_one("#loading").display
+
+
+async def test_a_snapshot_arriving_while_the_app_closes_is_dropped(tmp_path: Path) -> None:
+    """The race of a KV snapshot drained after the panel left the DOM (the app closing)."""
+    app = make_app(tmp_path, **{"ui.show_kv_panel": True})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await wait_for(pilot, lambda: app.last_snapshot is not None, "a first snapshot")
+        await app.kv_panel.remove()
+        for tab in app.tabs:
+            await tab.remove()
+        app.events.push(app.last_snapshot)
+        await app.on_rose_chat_app_engine_events(RoseChatApp.EngineEvents())
+        assert app.last_snapshot is not None and not app.query(KVPanel)
