@@ -392,7 +392,16 @@ async def test_command_palette_runs_actions(tmp_path: Path) -> None:
         await ready(pilot)
         await pilot.press("ctrl+p")
         await pilot.press(*"new chat tab")
-        await pilot.pause(0.3)
+
+        def found() -> bool:  # the search ran and highlighted its best match
+            from textual.command import CommandList, CommandPalette
+
+            if not isinstance(app.screen, CommandPalette):
+                return False
+            commands = app.screen.query_one(CommandList)
+            return commands.option_count > 0 and commands.highlighted is not None
+
+        await wait_for(pilot, found, "the palette's matches")
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.tabs) == 2, "a tab opened from the palette")
 
