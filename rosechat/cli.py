@@ -38,8 +38,10 @@ FLAG_KEYS = {
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
     "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p",
     "max_tokens": "sampling.max_tokens",
     "repetition_penalty": "sampling.repetition_penalty",
+    "repetition_window": "sampling.repetition_window",
     "seed": "sampling.seed",
     "system_prompt": "chat.system_prompt",
     "alternatives": "chat.alternatives",
@@ -49,6 +51,44 @@ FLAG_KEYS = {
 }
 
 
+def _options(parser: argparse.ArgumentParser) -> None:
+    """The options of the app and of `rosechat info`: each overrides one config.toml key."""
+    parser.add_argument("--config", metavar="FILE", help="a TOML file overriding the user config")
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", metavar="PATH_OR_ID",
+                   help='a .gguf file, a folder (one .gguf, or a Hugging Face model), a hub id, '
+                   '"smollm2-135m-instruct" (the default) or "demo" (random weights)')
+    m.add_argument("--dtype", choices=DTYPES, help="weights and KV cache (auto: bfloat16 on CUDA, float32 on CPU)")
+    m.add_argument("--device", help='"auto", "cpu", "cuda", "cuda:N"')
+    m.add_argument("--backend", choices=BACKENDS, help="paged-attention implementation (auto: triton on CUDA)")
+    m.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (0 = one per core)")
+    c = parser.add_argument_group("KV cache and scheduling")
+    c.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (a power of two)")
+    c.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache budget (0 = automatic)")
+    c.add_argument("--num-blocks", type=int, metavar="N", help="fixed KV pool size (0 = from the budget)")
+    c.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences per engine step")
+    c.add_argument("--max-batched-tokens", type=int, metavar="N",
+                   help="tokens per engine step (longer prompts are prefilled in chunks)")
+    c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of prefixes seen before")
+    s = parser.add_argument_group("sampling (the model's own settings apply where these are not given)")
+    s.add_argument("--temperature", type=float, help="0 = greedy")
+    s.add_argument("--top-p", type=float, help="nucleus sampling mass, (0, 1]")
+    s.add_argument("--top-k", type=int, help="0 = off")
+    s.add_argument("--min-p", type=float, help="drop tokens below min_p x the top probability; 0 = off")
+    s.add_argument("--max-tokens", type=int, help="longest reply (lowered to what the context leaves)")
+    s.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats; 1 = off")
+    s.add_argument("--repetition-window", type=int, metavar="N",
+                   help="the penalty looks at the reply's last N tokens; 0 = the whole chat")
+    s.add_argument("--seed", type=int, help="-1 = random")
+    a = parser.add_argument_group("chat and app")
+    a.add_argument("--system-prompt", metavar="TEXT", help="system prompt of new conversations")
+    a.add_argument("--alternatives", type=int, metavar="N", help="replies sampled by ctrl+r")
+    a.add_argument("--history", metavar="PATH", help="SQLite file for saved conversations")
+    a.add_argument("--theme", help="a Textual theme, e.g. textual-dark, nord, gruvbox")
+    a.add_argument("--kv-panel", action=argparse.BooleanOptionalAction, default=None, help="show the KV panel")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rosechat import __version__
 
@@ -56,39 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rosechat",
         description="Terminal chat for local language models on a paged KV-cache engine. "
         "Options override config.toml; see `rosechat --print-config-path`.",
-        epilog="Subcommands: `rosechat bench ...` runs the benchmarks; `rosechat info [options]` shows the "
-        "backend, the model and the effective sampling settings with where each comes from.",
     )
     p.add_argument("--version", action="version", version=f"rosechat {__version__}")
-    p.add_argument("--config", metavar="FILE", help="a TOML file overriding the user config")
     p.add_argument("--print-config-path", action="store_true", help="print where the user config file goes")
-    m = p.add_argument_group("model")
-    m.add_argument("--model", metavar="PATH_OR_ID",
-                   help='a .gguf file, a Hugging Face folder or hub id, "smollm2-135m-instruct" or "demo"')
-    m.add_argument("--dtype", choices=DTYPES)
-    m.add_argument("--device", help='"auto", "cpu", "cuda", "cuda:N"')
-    m.add_argument("--backend", choices=BACKENDS, help="paged-attention implementation")
-    m.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (0 = one per core)")
-    c = p.add_argument_group("KV cache and scheduling")
-    c.add_argument("--block-size", type=int, metavar="N")
-    c.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache budget (0 = automatic)")
-    c.add_argument("--num-blocks", type=int, metavar="N", help="fixed KV pool size (0 = from the budget)")
-    c.add_argument("--max-num-seqs", type=int, metavar="N")
-    c.add_argument("--max-batched-tokens", type=int, metavar="N")
-    c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    s = p.add_argument_group("sampling")
-    s.add_argument("--temperature", type=float)
-    s.add_argument("--top-p", type=float)
-    s.add_argument("--top-k", type=int)
-    s.add_argument("--max-tokens", type=int)
-    s.add_argument("--repetition-penalty", type=float)
-    s.add_argument("--seed", type=int, help="-1 = random")
-    a = p.add_argument_group("chat and app")
-    a.add_argument("--system-prompt", metavar="TEXT")
-    a.add_argument("--alternatives", type=int, metavar="N", help="replies sampled by ctrl+r")
-    a.add_argument("--history", metavar="PATH", help="SQLite file for saved conversations")
-    a.add_argument("--theme")
-    a.add_argument("--kv-panel", action=argparse.BooleanOptionalAction, default=None, help="show the KV panel")
+    _options(p)
+    commands = p.add_subparsers(dest="command", title="commands (without one, the app starts)", metavar="")
+    info = commands.add_parser("info", help="the backend, the model and each effective sampling setting with "
+                               "where it comes from", description="Show the backend, the model and each "
+                               "effective sampling setting with where it comes from; takes the app's options.")
+    _options(info)
+    commands.add_parser("bench", add_help=False, help="benchmarks and checks (`rosechat bench --help`)")
     return p
 
 
@@ -147,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
-    info = argv[:1] == ["info"]
-    args = build_parser().parse_args(argv[1:] if info else argv)
+    args = build_parser().parse_args(argv)
+    info = args.command == "info"
     if args.print_config_path:
         print(rosechat_config.user_config_path())
         return 0

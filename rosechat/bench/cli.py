@@ -36,7 +36,7 @@ from rosechat.bench.systems import (
 from rosechat.bench.twin import Verifier, build_twin
 
 WORKLOADS = ("chat", "multiturn", "random", "decode-overhead")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 CUDA_KV_MIB = 1024  # KV pool of every system on CUDA unless --kv-cache-mib says otherwise
 
 
@@ -55,9 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark the rosechat engine against transformers generate() and continuous batching "
         "(same weights, dtype and threads); every system's greedy output is checked against transformers first.",
     )
-    p.add_argument("workload", nargs="?", default="chat", choices=WORKLOADS)
-    p.add_argument("--model", default="demo-135m", help="local folder, hub id, or demo / demo-135m (default)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("workload", nargs="?", default="chat", choices=WORKLOADS,
+                   help="chat (default): conversations sharing one system prompt; multiturn: conversations over "
+                   "several turns; random: requests of random lengths through continuous batching; "
+                   "decode-overhead: rosechat's decode step against the model math alone. "
+                   "(`rosechat bench parity --help`: a model's logits against transformers.)")
+    p.add_argument("--model", default="demo-135m",
+                   help="a .gguf file, a folder, a hub id, smollm2-135m-instruct, or demo / demo-135m (default)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="every system's weights (default float32; auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N; "
                    "every system runs there, rosechat with the triton backend on CUDA")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, every system")
@@ -189,10 +195,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(names) - set(SYSTEMS))
     if unknown:
         raise BenchError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
-    dtype = getattr(torch, args.dtype)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = getattr(torch, args.dtype)
 
     _log(f"loading {args.model} ({args.dtype}, {args.device}, {args.threads} threads)")
     loaded = load_model(args.model, dtype=dtype, device=device)

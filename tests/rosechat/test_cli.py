@@ -70,7 +70,7 @@ def test_flags_override_config_and_start_the_app(tmp_path: Path, launched) -> No
 
 def test_every_flag_maps_to_a_config_key() -> None:
     parser = cli.build_parser()
-    dests = {a.dest for a in parser._actions} - {"help", "version", "config", "print_config_path"}
+    dests = {a.dest for a in parser._actions} - {"help", "version", "config", "print_config_path", "command"}
     assert dests == set(cli.FLAG_KEYS)
     for key in cli.FLAG_KEYS.values():
         section, name = key.split(".")
@@ -208,3 +208,18 @@ def test_info_shows_each_sampling_value_and_its_source(tmp_path: Path, capsys) -
     assert "0.5" in lines["top_p"] and str(conf) in lines["top_p"]  # a config file beats the model
     assert " 7 " in lines["top_k"] and "flag" in lines["top_k"]
     assert "512" in lines["max_tokens"] and "rosechat default" in lines["max_tokens"]
+
+
+def test_help_for_every_flag_and_for_info(capsys) -> None:
+    parser = cli.build_parser()
+    undocumented = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+    assert undocumented == []
+    with pytest.raises(SystemExit) as info:
+        cli.main(["info", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: rosechat info") and "--model" in out  # help, not the info itself
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "info" in out and "bench" in out.split("commands")[1]
