@@ -93,7 +93,7 @@ class RoseChatApp(App[None]):
         self.config = config
         self.history = history
         self.model = model  # None: chosen from the config when loading starts
-        self.export_dir = export_dir  # None: the current directory at export time
+        self.export_dir = export_dir  # None: history.export_dir from the config
         self._engine_factory = engine_factory  # tests may pass one; default LLMEngine.from_pretrained
         self.llm: LLMEngine | None = None
         self.engine: EngineThread | None = None
@@ -593,7 +593,7 @@ class RoseChatApp(App[None]):
         self.push_screen(TextPromptScreen("New title", tab.chat_title), done)
 
     def export_directory(self) -> Path:
-        return self.export_dir or Path.cwd()
+        return self.export_dir or self.config.export_path()
 
     def action_export(self) -> Path | None:
         tab = self.active_tab

@@ -93,6 +93,7 @@ class ChatConfig:
 @dataclass(frozen=True)
 class HistoryConfig:
     path: str
+    export_dir: str
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,13 @@ class Config:
         if n > 1:  # alternatives are samples: greedy ones would all be the same reply
             values["temperature"] = max(values["temperature"], self.chat.alternatives_temperature)
         return {**values, "n": n}
+
+    def export_path(self) -> Path:
+        """Where conversations are exported to Markdown: never the current directory (under
+        `make run` that is the git checkout)."""
+        if self.history.export_dir:
+            return Path(self.history.export_dir).expanduser()
+        return Path(platformdirs.user_documents_dir()) / APP_NAME
 
     def history_path(self) -> Path:
         if self.history.path:

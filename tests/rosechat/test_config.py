@@ -164,3 +164,14 @@ def test_theme_and_block_size_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(path, user_file=None)
     assert (e.value.key, e.value.line) == ("cache.block_size", 2) and "power of two" in str(e.value)
+
+
+def test_exports_go_to_a_documented_folder_never_the_current_directory(tmp_path: Path, monkeypatch) -> None:
+    import platformdirs
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(platformdirs, "user_documents_dir", lambda: str(tmp_path / "Documents"))
+    c = load_config(user_file=None)
+    assert c.export_path() == tmp_path / "Documents" / "rosechat"
+    c = load_config(overrides={"history.export_dir": "~/exports"}, user_file=None)
+    assert c.export_path() == Path("~/exports").expanduser()
