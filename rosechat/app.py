@@ -328,7 +328,7 @@ class RoseChatApp(App[None]):
     def _refresh_footer(self, view: MessageView) -> None:
         line = view.stats_line
         if len(view.texts) > 1:
-            line += f" · alternative {view.shown + 1}/{len(view.texts)} ([ ] or alt+←/→)"
+            line += f" · alternative {view.shown + 1}/{len(view.texts)} (alt+←/→)"
         view.set_footer(line)
 
     def _engine_error(self, ev: EngineError) -> None:
@@ -467,7 +467,10 @@ class RoseChatApp(App[None]):
         event.stop()
         tab = event.input.query_ancestor(ChatTab)  # its own tab: not necessarily the active one
         text = event.value.strip()
-        if tab is None or not text:
+        if tab is None:
+            return
+        if not text:  # only spaces and newlines: nothing to send, nothing worth keeping
+            event.input.value = ""
             return
         if not self._check_ready():
             return
@@ -547,10 +550,6 @@ class RoseChatApp(App[None]):
             if message.history_id is not None:
                 self._db(self.history.update_message, message.history_id, message.content)
 
-    @on(ChatInput.CycleAlternative)
-    async def _cycle_from_input(self, event: ChatInput.CycleAlternative) -> None:
-        event.stop()
-        await self.action_cycle(event.step)
 
     # ------------------------------------------------------------------ panel, prompts, history
     def action_toggle_kv(self) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from textual import events
+from markdown_it import MarkdownIt
+from markdown_it.rules_core import StateCore
+from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
-from textual.widgets import Input, Markdown, Static, TabPane
+from textual.widgets import Markdown, Static, TabPane, TextArea
 from textual.widgets.markdown import MarkdownStream
 
 if TYPE_CHECKING:
@@ -18,21 +21,55 @@ if TYPE_CHECKING:
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 
 
-class ChatInput(Input):
-    """Enter sends. ``[`` and ``]`` on an empty box pick the previous / next alternative reply."""
+class ChatInput(TextArea):
+    """The message box. Enter sends; ctrl+j or alt+enter (shift+enter in terminals that report it)
+    starts a new line; a multi-line paste keeps every line. No key is taken from the text typed."""
 
-    class CycleAlternative(Message):
-        def __init__(self, step: int) -> None:
-            super().__init__()
-            self.step = step
+    BINDINGS = [
+        # priority: TextArea itself turns enter into a newline before ordinary bindings run
+        Binding("enter", "submit", "Send", show=False, priority=True),
+        Binding("ctrl+j,alt+enter,shift+enter", "newline", "New line", show=False, priority=True),
+    ]
 
-    async def _on_key(self, event: events.Key) -> None:
-        if not self.value and event.character in ("[", "]"):
-            event.stop()
-            event.prevent_default()
-            self.post_message(self.CycleAlternative(-1 if event.character == "[" else 1))
-            return
-        await super()._on_key(event)
+    @dataclass
+    class Submitted(Message):
+        input: ChatInput
+        value: str
+
+    def __init__(self, *, classes: str | None = None) -> None:
+        super().__init__(soft_wrap=True, tab_behavior="focus", compact=True, classes=classes,
+                         placeholder="Message (Enter sends, ctrl+j: new line)")
+
+    @property
+    def value(self) -> str:
+        return self.text
+
+    @value.setter
+    def value(self, text: str) -> None:
+        self.load_text(text)
+        self.move_cursor(self.document.end)
+
+    def action_submit(self) -> None:
+        self.post_message(self.Submitted(self, self.text))
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
+
+def _markdown_parser() -> MarkdownIt:
+    """Markdown where a single newline in a reply is a line break, as the model wrote it (a poem,
+    an address, a list without Markdown). Code blocks are untouched."""
+    parser = MarkdownIt("gfm-like")
+    parser.core.ruler.push("hard_breaks", _hard_breaks)
+    return parser
+
+
+def _hard_breaks(state: StateCore) -> None:
+    # markdown-it's "breaks" option changes only its HTML renderer; Textual reads the tokens
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type = "hardbreak"
 
 
 class MessageView(Vertical):
@@ -48,7 +85,10 @@ class MessageView(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(ROLE_LABELS.get(self.role, self.role), classes="role")
-        yield Markdown(self.texts[0])
+        if self.role == "user":  # shown as typed: no Markdown
+            yield Static(Text(self.texts[0]), classes="user-text")
+        else:
+            yield Markdown(self.texts[0], parser_factory=_markdown_parser)
         yield Static("", classes="reply-footer")
 
     @property
@@ -129,7 +169,7 @@ class ChatTab(TabPane):
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="chat-log"):
             yield Static("", classes="system-line")
-        yield ChatInput(placeholder="Message (Enter sends)", classes="chat-input")
+        yield ChatInput(classes="chat-input")
 
     def update_system_line(self) -> None:
         line = self.query_one(".system-line", Static)

@@ -100,7 +100,7 @@ async def test_three_tabs_stream_at_the_same_time(tmp_path: Path) -> None:
         # idle, which it does not while the engine generates).
         for tab, text in zip(tabs, ("first tab", "second tab", "third tab")):
             tab.input.value = text
-            await tab.input.action_submit()
+            tab.input.action_submit()
         await wait_for(pilot, lambda: len(app.requests) == 3, "three requests in flight")
         assert app.active_tab is tabs[2]  # the first two stream in background tabs
 
@@ -221,7 +221,7 @@ async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -
         assert len(tab.messages) == 2  # the old reply was replaced, not appended to
         assert "alternative 1/3" in str(view.query_one(".reply-footer").render())
 
-        await pilot.press("]")  # empty input: next alternative
+        await pilot.press("alt+right")  # next alternative
         assert view.shown == 1 and tab.messages[-1].content == texts[1]
         assert "alternative 2/3" in str(view.query_one(".reply-footer").render())
         await wait_for(pilot, lambda: view.markdown.source == texts[1], "the shown text")
@@ -229,10 +229,12 @@ async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -
         assert view.shown == 0
         await pilot.press("alt+left")
         assert view.shown == 2
-        await pilot.press("[")
+        await pilot.press("alt+left")
         assert view.shown == 1 and tab.messages[-1].content == texts[1]
         assert app.history.load(tab.history_id).messages[-1].content == texts[1]
-        assert tab.input.value == ""  # the brackets did not land in the input
+        await pilot.press(*"[1,2]")  # brackets are text, whatever the tab holds
+        assert tab.input.value == "[1,2]" and view.shown == 1
+        tab.input.value = ""
 
         # Which alternative continues must be visible in the KV the engine keeps: the next turn
         # reuses every computed token of the chosen alternative's own sequence (the last sampled
@@ -243,7 +245,7 @@ async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -
         choice = 2
         expected_reuse = len(seq_of[choice].token_ids) - 1
         while view.shown != choice:
-            await pilot.press("]")
+            await pilot.press("alt+right")
 
         await send(pilot, "go on")
         await wait_for(pilot, lambda: replied(tab) and len(tab.messages) == 4, "the next reply")
@@ -276,7 +278,9 @@ async def test_history_survives_a_restart(tmp_path: Path) -> None:
         tab = app.active_tab
         assert tab.chat_title == "remember me"
         assert [(m.role, m.content) for m in tab.messages] == before
-        assert [v.markdown.source for v in tab.query("MessageView")] == [c for _, c in before]
+        shown = [v.markdown.source if v.role == "assistant" else str(v.query_one(".user-text").render())
+                 for v in tab.query("MessageView")]
+        assert shown == [c for _, c in before]
         # Continue it: the KV is recomputed (a fresh engine), the messages go to the same saved conversation.
         await send(pilot, "still there?")
         await wait_for(pilot, lambda: replied(tab), "the reply")
@@ -554,3 +558,43 @@ async def test_a_snapshot_arriving_while_the_app_closes_is_dropped(tmp_path: Pat
         app.events.push(app.last_snapshot)
         await app.on_rose_chat_app_engine_events(RoseChatApp.EngineEvents())
         assert app.last_snapshot is not None and not app.query(KVPanel)
+
+
+async def test_multi_line_messages_paste_and_typed_newlines(tmp_path: Path) -> None:
+    from textual import events
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        calls = spy_submit(app)
+        tab = app.active_tab
+        app.post_message(events.Paste("line one of my paste\nline two\nline three"))  # as the terminal does
+        await wait_for(pilot, lambda: tab.input.value.count("\n") == 2, "the paste")
+        await pilot.press("ctrl+j", *"END")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        sent = "line one of my paste\nline two\nline three\nEND"
+        assert calls[-1][-1] == {"role": "user", "content": sent} and tab.messages[0].content == sent
+        assert app.history.load(tab.history_id).messages[0].content == sent
+        # shown as typed, one line each, not Markdown-joined
+        shown = str(tab.messages[0].view.query_one(".user-text").render())
+        assert shown.splitlines() == sent.splitlines()
+        assert tab.input.value == ""
+        # only blanks: nothing sent, nothing kept
+        await pilot.press("space", "ctrl+j", "space", "enter")
+        assert tab.input.value == "" and len(calls) == 1
+
+
+async def test_single_line_breaks_in_a_reply_are_shown(tmp_path: Path) -> None:
+    from textual.widgets._markdown import MarkdownParagraph
+
+    from rosechat.widgets.chat import MessageView
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        view = MessageView("assistant", "It was a dark and stormy night,\nA tale of wind and rain.\n\n```\na\nb\n```")
+        await app.active_tab.log_view.mount(view)
+        await pilot.pause()
+        (paragraph,) = view.markdown.query(MarkdownParagraph)
+        lines = str(paragraph._content).splitlines()
+        assert lines == ["It was a dark and stormy night,", "A tale of wind and rain."]
