@@ -171,6 +171,8 @@ class EngineThread:
                 ttft_s=out.ttft_s,
                 total_s=out.total_s,
                 tokens_per_s=out.tokens_per_s,
+                sample_tokens=tuple(len(o.token_ids) for o in out.outputs),
+                sample_tokens_per_s=tuple(out.sample_tokens_per_s),
             )
         )
 

@@ -96,6 +96,9 @@ class Finished:
     ttft_s: float  # time to first token
     total_s: float
     tokens_per_s: float  # completion tokens / decode time
+    # per sample (an alternative is judged by its own figures, not the group's)
+    sample_tokens: tuple[int, ...] = ()
+    sample_tokens_per_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class RequestOutput:
     ttft_s: float = 0.0
     total_s: float = 0.0
     tokens_per_s: float = 0.0
+    sample_tokens_per_s: list[float] = field(default_factory=list)  # each sample's own decode rate
     error: str | None = None
 
 
@@ -249,7 +250,7 @@ class LLMEngine:
         seq.group, seq.index = group, index
         seq.owner = group.conversation_id or group.request_id
         seq.num_prompt_tokens = group.prompt_len
-        seq.finish_reason = None
+        seq.finish_reason, seq.finish_time = None, None
         p = group.params
         seq.generator = make_generator(p.seed, index, self.runner.device) if not p.greedy else None
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: group.prompt_len], stop=p.stop)
@@ -509,7 +510,7 @@ class LLMEngine:
             return
         # Out of the scheduler first: whatever fails below, a finished sequence never runs again.
         self.scheduler.remove(seq)
-        seq.finish_reason = reason
+        seq.finish_reason, seq.finish_time = reason, time.monotonic()
         if reason != "stop" or not seq.detokenizer.stopped:
             seq.pending_text += seq.detokenizer.flush()
         group = seq.group
@@ -578,6 +579,10 @@ class LLMEngine:
             out.ttft_s = first - group.arrival_time
             out.total_s = now - group.arrival_time
             out.tokens_per_s = completion / max(now - first, 1e-9) if completion > 1 else 0.0
+            out.sample_tokens_per_s = [
+                s.num_output_tokens / max((s.finish_time or now) - first, 1e-9) if s.num_output_tokens > 1 else 0.0
+                for s in group.seqs
+            ]
         return out
 
     # ------------------------------------------------------------------ batch API

@@ -83,6 +83,7 @@ class Sequence:
         self.index = index  # which sample of its group
         self.owner = ""  # id shown in the cache snapshot: conversation id, else request id
         self.finish_reason: str | None = None
+        self.finish_time: float | None = None  # time.monotonic() when it finished
         self.generator: torch.Generator | None = None
         self.detokenizer: Any = None
         # Conversations: the chat-template text of this turn's prompt, and once the turn ends the

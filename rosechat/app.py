@@ -36,7 +36,7 @@ from rosechat.screens import (
     SystemPromptScreen,
     TextPromptScreen,
 )
-from rosechat.widgets.chat import ChatInput, ChatMessage, ChatTab, MessageView
+from rosechat.widgets.chat import ChatInput, ChatMessage, ChatTab, MessageView, ReplyStats
 from rosechat.widgets.kv_panel import PALETTE, KVPanel, OwnerStyle
 
 if TYPE_CHECKING:
@@ -309,24 +309,36 @@ class RoseChatApp(App[None]):
         tab.messages.append(message)
         tab.request_id, tab.reply, tab.reply_replaces = None, None, None
         tab.last_finished = ev
-        tokens, ttft, tps = ev.usage.completion_tokens, ev.ttft_s, ev.tokens_per_s
-        reasons = set(ev.finish_reasons)
-        stats = [f"{tokens} tokens", f"TTFT {ttft:.2f} s", f"{tps:.1f} tok/s"]
-        if reasons == {"abort"}:
-            stats.append("stopped")
-        elif "length" in reasons:
-            turn = tab.turn if tab.turn is not None and tab.turn.request_id == ev.request_id else None
-            stats.append("context full" if turn is not None and turn.max_tokens_clamped else "max tokens reached")
-        view.stats_line = " · ".join(stats)
+        turn = tab.turn if tab.turn is not None and tab.turn.request_id == ev.request_id else None
+        clamped = turn is not None and turn.max_tokens_clamped
+        counts = ev.sample_tokens or (ev.usage.completion_tokens,)
+        rates = ev.sample_tokens_per_s or (ev.tokens_per_s,)
+        view.stats = [
+            ReplyStats(n, ev.ttft_s, tps, "context" if reason == "length" and clamped else reason)
+            for n, tps, reason in zip(counts, rates, ev.finish_reasons)
+        ]
         self._refresh_footer(view)
+        self._save_reply(tab, message, view.stats[view.shown])
+
+    def _save_reply(self, tab: ChatTab, message: ChatMessage, stats: ReplyStats) -> None:
+        figures = dict(tokens=stats.tokens, ttft_s=stats.ttft_s, tokens_per_s=stats.tokens_per_s,
+                       finish_reason=stats.finish_reason)
         if message.history_id is None:
-            message.history_id = self._save(tab, message, tokens=tokens, ttft_s=ttft, tokens_per_s=tps)
+            message.history_id = self._save(tab, message, **figures)
         else:
-            self._db(self.history.update_message, message.history_id, message.content,
-                     tokens=tokens, ttft_s=ttft, tokens_per_s=tps)
+            self._db(self.history.update_message, message.history_id, message.content, **figures)
+
+    def _keep_partial_reply(self, tab: ChatTab) -> None:
+        """A reply cut short by closing its tab or quitting is saved as far as it got, "stopped"
+        (as escape does). A regenerated reply in progress leaves the saved one as it was."""
+        view = tab.reply
+        if view is None or tab.reply_replaces is not None or not view.text.strip():
+            return
+        message = ChatMessage("assistant", view.text, view=view)
+        self._save_reply(tab, message, ReplyStats(finish_reason="stopped"))
 
     def _refresh_footer(self, view: MessageView) -> None:
-        line = view.stats_line
+        line = view.stats[view.shown].line() if view.shown < len(view.stats) else ""
         if len(view.texts) > 1:
             line += f" · alternative {view.shown + 1}/{len(view.texts)} (alt+←/→)"
         view.set_footer(line)
@@ -336,8 +348,7 @@ class RoseChatApp(App[None]):
         if tab is not None and ev.code == "context_length_exceeded":
             self._exclude_last_user_message(tab, ev.message)
         if tab is not None and tab.reply is not None:
-            tab.reply.stats_line = f"error: {ev.message}"
-            tab.reply.set_footer(tab.reply.stats_line)
+            tab.reply.set_footer(f"error: {ev.message}")
             tab.reply.add_class("-error")
             if tab.reply_replaces is not None:  # the reply being replaced stays the last message
                 tab.messages.append(tab.reply_replaces)
@@ -407,6 +418,7 @@ class RoseChatApp(App[None]):
         tab = self.active_tab
         if tab is None:
             return
+        self._keep_partial_reply(tab)
         if self.engine is not None:
             if tab.request_id is not None:
                 self.engine.abort(tab.request_id)
@@ -505,7 +517,7 @@ class RoseChatApp(App[None]):
         # Registered before the next drain can run (same thread), so no delta is missed.
         tab.request_id, tab.reply, tab.reply_replaces = rid, view, replaces
         self.requests[rid] = tab
-        view.stats_line = ""
+        view.stats = []
         view.set_footer("generating… (escape stops)")
         tab.log_view.anchor()
         return rid
@@ -541,14 +553,14 @@ class RoseChatApp(App[None]):
             self.notify("No alternatives here: ctrl+r samples some.", timeout=3)
             return
         await view.show_alternative(view.shown + step)
-        if view.stats_line:
+        if view.stats:
             self._refresh_footer(view)
         else:
             view.set_footer(f"generating… alternative {view.shown + 1}/{len(view.texts)}")
         if message is not None:  # the shown alternative is the one the conversation continues with
             message.content = view.text
             if message.history_id is not None:
-                self._db(self.history.update_message, message.history_id, message.content)
+                self._save_reply(tab, message, view.stats[view.shown])
 
 
     # ------------------------------------------------------------------ panel, prompts, history
@@ -626,9 +638,9 @@ class RoseChatApp(App[None]):
             message = ChatMessage(m.role, m.content, history_id=m.id)
             tab.messages.append(message)
             view = await tab.add_message(message)
-            if m.role == "assistant" and m.tokens is not None:
-                view.stats_line = f"{m.tokens} tokens" + (f" · {m.tokens_per_s:.1f} tok/s" if m.tokens_per_s else "")
-                view.set_footer(view.stats_line)
+            if m.role == "assistant":
+                view.stats = [ReplyStats(m.tokens, m.ttft_s, m.tokens_per_s, m.finish_reason)]
+                self._refresh_footer(view)
         return tab
 
     @on(ConversationRenamed)
@@ -655,6 +667,8 @@ class RoseChatApp(App[None]):
             self._terminal_watch_done.set()
 
     async def on_unmount(self) -> None:
+        for tab in set(self.requests.values()):  # plain objects: no DOM needed while closing
+            self._keep_partial_reply(tab)
         await self.shutdown_engine()
 
     async def shutdown_engine(self) -> None:

@@ -44,6 +44,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE messages ADD COLUMN tokens_per_s REAL;
     CREATE INDEX conversations_by_updated ON conversations(updated_at DESC);
     """,
+    # 2 -> 3: why a reply ended ("stop", "length", "context", "stopped" by the user).
+    """
+    ALTER TABLE messages ADD COLUMN finish_reason TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -61,6 +65,7 @@ class StoredMessage:
     ttft_s: float | None = None
     tokens_per_s: float | None = None
     created_at: float = 0.0
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,7 @@ class HistoryStore:
             if c is None:
                 raise KeyError(conversation_id)
             rows = self._conn.execute(
-                "SELECT id, role, content, tokens, ttft_s, tokens_per_s, created_at FROM messages"
+                "SELECT id, role, content, tokens, ttft_s, tokens_per_s, created_at, finish_reason FROM messages"
                 " WHERE conversation_id = ? ORDER BY id",
                 (conversation_id,),
             ).fetchall()
@@ -217,13 +222,14 @@ class HistoryStore:
         tokens: int | None = None,
         ttft_s: float | None = None,
         tokens_per_s: float | None = None,
+        finish_reason: str | None = None,
     ) -> int:
         now = time.time()
         with self._tx() as db:
             cur = db.execute(
-                "INSERT INTO messages (conversation_id, role, content, tokens, ttft_s, tokens_per_s, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (conversation_id, role, content, tokens, ttft_s, tokens_per_s, now),
+                "INSERT INTO messages (conversation_id, role, content, tokens, ttft_s, tokens_per_s, finish_reason,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, tokens, ttft_s, tokens_per_s, finish_reason, now),
             )
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
             return int(cur.lastrowid)
@@ -236,6 +242,7 @@ class HistoryStore:
         tokens: int | None = None,
         ttft_s: float | None = None,
         tokens_per_s: float | None = None,
+        finish_reason: str | None = None,
     ) -> None:
         """Replace a message's text (a regenerated reply, or the alternative the user picked)."""
         with self._tx() as db:
@@ -244,8 +251,8 @@ class HistoryStore:
                 raise KeyError(message_id)
             db.execute(
                 "UPDATE messages SET content = ?, tokens = COALESCE(?, tokens), ttft_s = COALESCE(?, ttft_s),"
-                " tokens_per_s = COALESCE(?, tokens_per_s) WHERE id = ?",
-                (content, tokens, ttft_s, tokens_per_s, message_id),
+                " tokens_per_s = COALESCE(?, tokens_per_s), finish_reason = COALESCE(?, finish_reason) WHERE id = ?",
+                (content, tokens, ttft_s, tokens_per_s, finish_reason, message_id),
             )
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (time.time(), row[0]))
 

@@ -72,6 +72,29 @@ def _hard_breaks(state: StateCore) -> None:
                 child.type = "hardbreak"
 
 
+_REASONS = {"length": "max tokens reached", "context": "context full", "abort": "stopped", "stopped": "stopped"}
+
+
+@dataclass(frozen=True)
+class ReplyStats:
+    """One reply's own figures (an alternative's, not its group's), as shown and as saved."""
+
+    tokens: int | None = None
+    ttft_s: float | None = None
+    tokens_per_s: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "context" (the context's limit), "stopped"
+
+    def line(self) -> str:
+        parts = [] if self.tokens is None else [f"{self.tokens} tokens"]
+        if self.ttft_s is not None:
+            parts.append(f"TTFT {self.ttft_s:.2f} s")
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:.1f} tok/s")
+        if self.finish_reason in _REASONS:
+            parts.append(_REASONS[self.finish_reason])
+        return " · ".join(parts)
+
+
 class MessageView(Vertical):
     """One message. An assistant reply may hold several alternatives; one is shown at a time."""
 
@@ -80,7 +103,7 @@ class MessageView(Vertical):
         self.role = role
         self.texts = [content] + [""] * (n - 1)
         self.shown = 0
-        self.stats_line = ""  # tokens, TTFT, tok/s once finished
+        self.stats: list[ReplyStats] = []  # per alternative, once finished
         self._stream: MarkdownStream | None = None
 
     def compose(self) -> ComposeResult:

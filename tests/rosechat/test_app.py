@@ -70,6 +70,10 @@ def spy_submit(app: RoseChatApp) -> list[list[dict[str, str]]]:
     return calls
 
 
+def _footer(view) -> str:
+    return str(view.query_one(".reply-footer").render())
+
+
 def replied(tab: ChatTab) -> bool:
     return not tab.generating and bool(tab.messages) and tab.messages[-1].role == "assistant"
 
@@ -220,9 +224,16 @@ async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -
         assert len(set(texts)) > 1  # temperature 1 over a random model: they differ
         assert len(tab.messages) == 2  # the old reply was replaced, not appended to
         assert "alternative 1/3" in str(view.query_one(".reply-footer").render())
+        # each alternative shows its own figures, not the group's total
+        ev = tab.last_finished
+        assert sum(ev.sample_tokens) == ev.usage.completion_tokens and len(ev.sample_tokens) == 3
+        assert [st.tokens for st in view.stats] == list(ev.sample_tokens)
+        assert _footer(view).startswith(f"{ev.sample_tokens[0]} tokens")
 
         await pilot.press("alt+right")  # next alternative
         assert view.shown == 1 and tab.messages[-1].content == texts[1]
+        assert _footer(view).startswith(f"{ev.sample_tokens[1]} tokens")
+        assert app.history.load(tab.history_id).messages[-1].tokens == ev.sample_tokens[1]
         assert "alternative 2/3" in str(view.query_one(".reply-footer").render())
         await wait_for(pilot, lambda: view.markdown.source == texts[1], "the shown text")
         await pilot.press("alt+right", "alt+right")  # wraps around
@@ -263,6 +274,7 @@ async def test_history_survives_a_restart(tmp_path: Path) -> None:
         tab = await send(pilot, "remember me")
         await wait_for(pilot, lambda: replied(tab), "the reply")
         before = [(m.role, m.content) for m in tab.messages]
+        footer = _footer(tab.messages[-1].view)
         engine_thread = app.engine
     assert not engine_thread.is_alive  # quitting shut the engine thread down
     app.history.close()
@@ -281,6 +293,8 @@ async def test_history_survives_a_restart(tmp_path: Path) -> None:
         shown = [v.markdown.source if v.role == "assistant" else str(v.query_one(".user-text").render())
                  for v in tab.query("MessageView")]
         assert shown == [c for _, c in before]
+        # the reply's figures come back whole: tokens, TTFT, tok/s and why it ended
+        assert _footer(tab.messages[-1].view) == footer and "TTFT" in footer
         # Continue it: the KV is recomputed (a fresh engine), the messages go to the same saved conversation.
         await send(pilot, "still there?")
         await wait_for(pilot, lambda: replied(tab), "the reply")
@@ -454,10 +468,6 @@ async def test_header_and_loading(tmp_path: Path) -> None:
         assert not app.query_one("#loading").display
 
 
-def _footer(view) -> str:
-    return str(view.query_one(".reply-footer").render())
-
-
 async def test_long_chats_leave_out_old_turns_with_a_marker_and_lose_nothing(tmp_path: Path) -> None:
     # 16 blocks of 16 tokens: a 256-token context, a few turns of the demo model outgrow it
     app = make_app(tmp_path, **{"cache.num_blocks": 16, "sampling.max_tokens": 40, "sampling.temperature": 0.0})
@@ -598,3 +608,39 @@ async def test_single_line_breaks_in_a_reply_are_shown(tmp_path: Path) -> None:
         (paragraph,) = view.markdown.query(MarkdownParagraph)
         lines = str(paragraph._content).splitlines()
         assert lines == ["It was a dark and stormy night,", "A tale of wind and rain."]
+
+
+async def test_a_reply_in_progress_is_kept_on_tab_close_and_on_quit(tmp_path: Path) -> None:
+    app = make_app(tmp_path, **{"sampling.max_tokens": 4000, "cache.num_blocks": 600})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        closing = await send(pilot, "a long story, please")
+        await wait_for(pilot, lambda: closing.reply is not None and len(closing.reply.text) > 20, "some text")
+        history_id = closing.history_id
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: len(app.tabs) == 2, "a second tab")
+        quitting = await send(pilot, "another long one")
+        await wait_for(pilot, lambda: quitting.reply is not None and len(quitting.reply.text) > 20, "its text")
+        app.tabbed.active = closing.id
+        await wait_for(pilot, lambda: app.active_tab is closing, "the first tab")
+        await pilot.press("ctrl+w")
+        await wait_for(pilot, lambda: len(app.tabs) == 1, "the tab to close")
+        (user, reply) = app.history.load(history_id).messages
+        assert reply.role == "assistant" and len(reply.content) > 20 and reply.finish_reason == "stopped"
+        quitting_id = quitting.history_id
+        assert quitting.generating
+    # the app has quit with a reply streaming: what it had is saved
+    (user, reply) = app.history.load(quitting_id).messages
+    assert reply.role == "assistant" and len(reply.content) > 20 and reply.finish_reason == "stopped"
+
+
+async def test_enter_while_the_tab_replies_keeps_the_text_and_says_why(tmp_path: Path) -> None:
+    app = make_app(tmp_path, **{"sampling.max_tokens": 4000, "cache.num_blocks": 600})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = await send(pilot, "a long story, please")
+        await wait_for(pilot, lambda: tab.generating, "the reply to start")
+        tab.input.value = "next question"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: any("still replying" in n.message for n in app._notifications), "the word")
+        assert tab.input.value == "next question" and len(tab.messages) == 1
