@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sqlite3
 import sys
 import threading
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from engine.events import CacheSnapshot, EngineError, Finished, TurnStarted
 
 DRAIN_HZ = 30
+_CODE_FENCE = re.compile(r"^[ \t]*(?:```|~~~)[^\n]*\n(.*?)\n?[ \t]*(?:```|~~~)[ \t]*$", re.DOTALL | re.MULTILINE)
 NEW_CHAT = "New chat"
 
 
@@ -76,6 +78,8 @@ class RoseChatApp(App[None]):
         Binding("alt+left", "cycle(-1)", "Prev alt", show=False),
         Binding("alt+right", "cycle(1)", "Next alt", show=False),
         Binding("ctrl+k", "toggle_kv", "KV", priority=True),
+        Binding("ctrl+y", "copy_reply", "Copy reply", show=False, priority=True),
+        Binding("alt+y", "copy_code", "Copy code", show=False, priority=True),
         Binding("f2", "toggle_kv", "KV cache", show=False),
         Binding("f3", "system_prompt", "System prompt", show=False),
         Binding("ctrl+o", "conversations", "Chats", priority=True),
@@ -566,6 +570,31 @@ class RoseChatApp(App[None]):
             if message.history_id is not None:
                 self._save_reply(tab, message, view.stats[view.shown])
 
+
+    def _last_reply_text(self) -> str | None:
+        tab = self.active_tab
+        message = tab.last_assistant() if tab is not None else None
+        if message is None or not message.content.strip():
+            self.notify("No reply to copy yet.", timeout=3)
+            return None
+        return message.content
+
+    def action_copy_reply(self) -> None:
+        """Copy the last reply (the alternative shown) through the terminal's clipboard (OSC 52)."""
+        if (text := self._last_reply_text()) is not None:
+            self.copy_to_clipboard(text)
+            self.notify(f"Copied the reply ({len(text):,} characters).", timeout=3)
+
+    def action_copy_code(self) -> None:
+        """Copy the last fenced code block of the last reply, without its fences."""
+        if (text := self._last_reply_text()) is None:
+            return
+        blocks = _CODE_FENCE.findall(text)
+        if not blocks:
+            self.notify("The last reply has no code block (ctrl+y copies all of it).", timeout=3)
+            return
+        self.copy_to_clipboard(blocks[-1])
+        self.notify(f"Copied the code block ({blocks[-1].count(chr(10)) + 1} lines).", timeout=3)
 
     # ------------------------------------------------------------------ panel, prompts, history
     def action_toggle_kv(self) -> None:

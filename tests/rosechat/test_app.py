@@ -695,3 +695,24 @@ async def test_tab_keys_every_terminal_delivers(tmp_path: Path) -> None:
         await wait_for(pilot, lambda: app.active_tab is second, "f5: the previous tab")
         await pilot.press("f6", "f6")
         await wait_for(pilot, lambda: app.active_tab is first, "f6: the next tab, wrapping")
+
+
+async def test_copy_the_reply_and_its_code_block(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = await send(pilot, "some code please")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        reply = "Here it is:\n\n```python\ndef f():\n    return 1\n```\n\nand more:\n\n```\nlast block\n```\n"
+        tab.messages[-1].content = reply  # the demo model writes no code: give the reply one
+        await pilot.press("ctrl+y")
+        assert app.clipboard == reply
+        await pilot.press("alt+y")
+        assert app.clipboard == "last block"
+        tab.messages[-1].content = "Here it is:\n\n```python\ndef f():\n    return 1\n```"
+        await pilot.press("alt+y")
+        assert app.clipboard == "def f():\n    return 1"
+        tab.messages[-1].content = "no code at all"
+        await pilot.press("alt+y")
+        assert app.clipboard == "def f():\n    return 1"  # unchanged
+        await wait_for(pilot, lambda: any("no code block" in n.message for n in app._notifications), "the word")
