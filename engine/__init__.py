@@ -5,7 +5,7 @@ The public API; the TUI and the benchmarks use nothing else.
 
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
-from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, TurnStarted, Usage
+from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, TurnPreempted, TurnStarted, Usage
 from engine.gguf_file import GGUFError
 from engine.llm_engine import (
     CompletionOutput,
@@ -36,6 +36,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "TokenDelta",
+    "TurnPreempted",
     "TurnStarted",
     "Usage",
     "generation_defaults",

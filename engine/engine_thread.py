@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.events import EngineError, Event, Finished, TokenDelta, TurnStarted
+from engine.events import EngineError, Event, Finished, TokenDelta, TurnPreempted, TurnStarted
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import SamplingParams
 
@@ -34,6 +34,7 @@ class EngineThread:
         self._stop = threading.Event()
         self._ids = itertools.count()  # next() on a count is atomic under the GIL
         self._request_conv: dict[str, str] = {}  # live request -> conversation (engine thread only)
+        self._preempted: set[str] = set()  # requests last reported as waiting for KV memory
         self._thread = threading.Thread(target=self._run, name="rosechat-engine", daemon=True)
 
     # ------------------------------------------------------------------ commands (any thread)
@@ -106,12 +107,22 @@ class EngineThread:
                     outputs = self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 for out in outputs:
                     self._emit_output(out)
+                self._report_preemptions()
                 dirty = True
             now = time.monotonic()
             if dirty and (now - last_snapshot >= self.snapshot_interval or not eng.has_unfinished_requests()):
                 snapshot = eng.cache_snapshot()
                 self._emit(snapshot)
                 last_snapshot, dirty, rate_shown = now, False, snapshot.tokens_per_s > 0
+
+    def _report_preemptions(self) -> None:
+        now = {rid for rid in self.engine.preempted_requests() if rid in self._request_conv}
+        for rid in now - self._preempted:
+            self._emit(TurnPreempted(rid, self._request_conv[rid], True))
+        for rid in self._preempted - now:
+            if rid in self._request_conv:  # resumed (a finished one just ends)
+                self._emit(TurnPreempted(rid, self._request_conv[rid], False))
+        self._preempted = now
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         try:

@@ -79,6 +79,16 @@ class TurnStarted:
 
 
 @dataclass(frozen=True)
+class TurnPreempted:
+    """A turn lost its KV blocks to others (waiting=True) or got them back (False): it is
+    recomputed and goes on where it was; nothing is lost."""
+
+    request_id: str
+    conversation_id: str | None
+    waiting: bool
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     request_id: str
     conversation_id: str | None
@@ -109,9 +119,9 @@ class EngineError:
     code: str = "engine_error"  # "context_length_exceeded", "invalid_request", ... (OpenAI-style)
 
 
-Event = TurnStarted | TokenDelta | Finished | EngineError | CacheSnapshot
+Event = TurnStarted | TurnPreempted | TokenDelta | Finished | EngineError | CacheSnapshot
 
 __all__ = [
-    "CACHED", "FREE", "USED", "CacheSnapshot", "EngineError", "Event", "Finished", "TokenDelta", "TurnStarted",
-    "Usage",
+    "CACHED", "FREE", "USED", "CacheSnapshot", "EngineError", "Event", "Finished", "TokenDelta",
+    "TurnPreempted", "TurnStarted", "Usage",
 ]

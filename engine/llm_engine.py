@@ -598,6 +598,10 @@ class LLMEngine:
                     done[out.request_id] = out
         return [done[i] for i in ids]
 
+    def preempted_requests(self) -> set[str]:
+        """Requests with a sample sent back to wait for KV memory after it had begun (preempted)."""
+        return {s.group.request_id for s in self.scheduler.waiting if s.num_output_tokens and s.group is not None}
+
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] at every position of token_ids, from one prefill through the
         engine's own paged path (in fresh blocks, freed after): to compare with other

@@ -287,6 +287,11 @@ class RoseChatApp(App[None]):
             tab = self.requests.get(rid)
             if tab is not None and tab.reply is not None:
                 await tab.reply.add_delta(index, text)
+        for rid, waiting in batch.preempted.items():
+            tab = self.requests.get(rid)
+            if tab is not None and tab.reply is not None:
+                tab.reply.set_footer("waiting for KV memory: other replies took its blocks; it resumes where it was"
+                                     if waiting else "generating… (escape stops)")
         for end in batch.ends:
             if isinstance(end, Finished):
                 await self._reply_finished(end)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from engine.events import CacheSnapshot, EngineError, Event, Finished, TokenDelta, TurnStarted
+from engine.events import CacheSnapshot, EngineError, Event, Finished, TokenDelta, TurnPreempted, TurnStarted
 
 
 @dataclass
@@ -21,11 +21,12 @@ class Batch:
     starts: list[TurnStarted] = field(default_factory=list)
     # (request id, sample index) -> text, in order of first arrival.
     deltas: dict[tuple[str, int], str] = field(default_factory=dict)
+    preempted: dict[str, bool] = field(default_factory=dict)  # request id -> waiting for KV memory (latest)
     ends: list[Finished | EngineError] = field(default_factory=list)
     snapshot: CacheSnapshot | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.starts or self.deltas or self.ends or self.snapshot is not None)
+        return bool(self.starts or self.deltas or self.preempted or self.ends or self.snapshot is not None)
 
 
 class EventBuffer:
@@ -53,6 +54,8 @@ class EventBuffer:
                 batch.deltas[key] = batch.deltas.get(key, "") + event.text
             elif isinstance(event, TurnStarted):
                 batch.starts.append(event)
+            elif isinstance(event, TurnPreempted):
+                batch.preempted[event.request_id] = event.waiting
             elif isinstance(event, CacheSnapshot):
                 batch.snapshot = event
             elif isinstance(event, (Finished, EngineError)):

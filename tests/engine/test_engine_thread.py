@@ -15,6 +15,7 @@ from engine import (
     LLMEngine,
     SamplingParams,
     TokenDelta,
+    TurnPreempted,
     TurnStarted,
 )
 from tests.helpers import make_tiny_model
@@ -216,3 +217,27 @@ def test_idle_thread_uses_no_cpu(running) -> None:
     threading.Event().wait(1.5)  # idle for a while: the thread should sleep on its queue throughout
     # A busy loop would turn thousands of times; an idle thread at most once more (the last snapshot).
     assert len(wakeups) <= 4, f"the idle engine thread woke {len(wakeups)} times in 1.5 s"
+
+
+def test_a_preempted_turn_is_reported_and_resumes(model_dir: str) -> None:
+    """Four long replies in a pool too small for all: some lose their blocks for a while. The UI
+    hears when (TurnPreempted waiting=True) and when they are back (False), and nothing is lost."""
+    rec = Recorder()
+    eng = LLMEngine.from_pretrained(model_dir, block_size=8, num_blocks=24)  # 192 slots
+    et = EngineThread(eng, rec)
+    et.start()
+    try:
+        params = SamplingParams(max_tokens=80, ignore_eos=True)
+        rids = [et.submit_turn(et.new_conversation(), chat(f"story {i}"), params) for i in range(4)]
+        rec.wait_done(*rids)
+        assert eng.scheduler.preemptions > 0
+        events = rec.of(TurnPreempted)
+        waited = {e.request_id for e in events if e.waiting}
+        assert waited and waited <= set(rids)
+        for rid in waited:  # reported back before it finished, or it finished while waiting to resume
+            flags = [e.waiting for e in events if e.request_id == rid]
+            assert flags[0] is True and all(a != b for a, b in zip(flags, flags[1:]))
+        assert all(isinstance(rec.finished(r), Finished) and rec.finished(r).usage.completion_tokens == 80
+                   for r in rids)
+    finally:
+        et.shutdown()

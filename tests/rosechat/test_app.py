@@ -716,3 +716,18 @@ async def test_copy_the_reply_and_its_code_block(tmp_path: Path) -> None:
         await pilot.press("alt+y")
         assert app.clipboard == "def f():\n    return 1"  # unchanged
         await wait_for(pilot, lambda: any("no code block" in n.message for n in app._notifications), "the word")
+
+
+async def test_a_preempted_reply_says_it_waits_for_kv_memory(tmp_path: Path, long_replies) -> None:
+    from engine import TurnPreempted
+
+    app = make_app(tmp_path, **{"sampling.max_tokens": 4000, "cache.num_blocks": 600})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = await send(pilot, "a long story")
+        await wait_for(pilot, lambda: tab.generating and tab.reply is not None, "the reply to start")
+        rid = tab.request_id
+        app.events.push(TurnPreempted(rid, tab.engine_cid, True))  # as the engine thread reports it
+        await wait_for(pilot, lambda: "waiting for KV memory" in _footer(tab.reply), "the waiting footer")
+        app.events.push(TurnPreempted(rid, tab.engine_cid, False))
+        await wait_for(pilot, lambda: _footer(tab.reply).startswith("generating"), "the footer back")
