@@ -310,6 +310,16 @@ class LLMEngine:
         if clamped:  # a long chat still gets a reply: as long as the context leaves room for
             params = dataclasses.replace(params, max_tokens=room)
         self._validate(tokens, params)
+        if not conv.seqs and (donor := self._prefix_donor(tokens)) is not None:
+            # A new conversation that starts like a parked one (the same system prompt) shares its
+            # blocks, the partly filled last one too (copied on write), not only the full blocks
+            # the prefix cache finds: a short system prompt fits in less than one block.
+            child = Sequence(donor.token_ids)
+            self.block_manager.fork(donor, child)
+            self.block_manager.truncate(child, common_prefix_len(child.token_ids, tokens[:-1]))
+            self.block_manager.prefix_queries += len(tokens)  # the panel's hit rate counts this reuse
+            self.block_manager.prefix_hits += child.num_computed_tokens
+            conv.seqs = [child]
         best, best_len = None, -1
         for seq in conv.seqs:
             m = common_prefix_len(seq.token_ids, tokens)
@@ -331,6 +341,19 @@ class LLMEngine:
         group.dropped_messages, group.max_tokens_clamped = dropped, clamped
         conv.dropped = dropped
         return request_id
+
+    def _prefix_donor(self, tokens: list[int]) -> Sequence | None:
+        """The parked sequence whose computed tokens share the longest prefix with `tokens`, if
+        that reaches into a block the prefix cache cannot give (a partly filled or uncached one)."""
+        if not self.config.enable_prefix_caching:
+            return None
+        bs = self.block_manager.block_size
+        best, best_len = None, 0
+        for seq in self.scheduler.parked.values():
+            m = common_prefix_len(seq.token_ids[: seq.num_computed_tokens], tokens[:-1])
+            if m > best_len:
+                best, best_len = seq, m
+        return best if best_len >= max(1, bs // 2) else None  # less is not worth a block copy
 
     def _fit_chat(
         self, messages: list[dict[str, str]], conv: Conversation, max_tokens: int

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import ContextLengthError, LLMEngine, SamplingParams
+from engine.llm_engine import common_prefix_len
 from tests.helpers import make_tiny_model
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -92,3 +93,24 @@ def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(model
     # The conversation is intact: the next turn (without the refused message) reuses its KV.
     out, dropped, *_ = _turn(eng, cid, [*history, {"role": "user", "content": "and now?"}])
     assert dropped == 0 and out.usage.prefilled_tokens < out.usage.prompt_tokens // 2
+
+
+def test_new_conversations_share_a_short_system_prompt_partial_block_included(model_dir: str) -> None:
+    """A system prompt shorter than a block still saves its prefill in every new conversation:
+    the partly filled block is shared (refcount 2) until the new turn writes into it (one CoW copy),
+    and the replies are those of conversations computed alone."""
+    eng = LLMEngine.from_pretrained(model_dir, block_size=16, num_blocks=64)
+    system = {"role": "system", "content": "Be kind."}
+    first_cid = eng.start_conversation()
+    first, *_ = _turn(eng, first_cid, [system, {"role": "user", "content": "hello there"}])
+    cow_before = eng.block_manager.cow_copies
+    second_cid = eng.start_conversation()
+    second, *_ = _turn(eng, second_cid, [system, {"role": "user", "content": "something else"}])
+    common = common_prefix_len(first.prompt_token_ids, second.prompt_token_ids)
+    assert common % 16, common  # the shared prefix ends inside a block the prefix cache cannot give
+    assert second.usage.prompt_tokens - second.usage.prefilled_tokens == common
+    assert eng.block_manager.cow_copies == cow_before + 1
+    alone = LLMEngine.from_pretrained(model_dir, block_size=16, num_blocks=64)
+    ref, *_ = _turn(alone, alone.start_conversation(), [system, {"role": "user", "content": "something else"}])
+    assert second.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert eng.block_manager.prefix_hits >= second.usage.prompt_tokens - second.usage.prefilled_tokens
