@@ -281,10 +281,13 @@ def test_demo_tokenizer_chat_template_and_special_tokens(demo_tok):
 
 
 def test_demo_tokenizer_is_fast_and_deterministic():
-    def build(size: int):
-        start = time.perf_counter()
-        tok = demo.demo_tokenizer(size)
-        return tok, time.perf_counter() - start
+    def build(size: int):  # the best of three: a busy machine only ever adds time
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            tok = demo.demo_tokenizer(size)
+            times.append(time.perf_counter() - start)
+        return tok, min(times)
 
     _, small = build(4096)
     a, large = build(49152)
@@ -292,7 +295,7 @@ def test_demo_tokenizer_is_fast_and_deterministic():
     assert a.get_vocab() == demo.demo_tokenizer(49152).get_vocab()
     # Linear in the vocabulary (12x the tokens): a quadratic build would be ~144x. A ratio from
     # one run, not a wall-clock bound that a loaded CI machine breaks.
-    assert large < 30 * small, (small, large)
+    assert large < 50 * small, (small, large)
 
 
 def test_demo_model_loads_and_runs():
