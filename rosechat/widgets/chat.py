@@ -50,7 +50,9 @@ class ChatInput(TextArea):
         self.move_cursor(self.document.end)
 
     def action_submit(self) -> None:
-        self.post_message(self.Submitted(self, self.text))
+        # A priority binding runs at the app as enter arrives, ahead of the keys typed just before
+        # it that still wait in this widget's queue: read the text once they are in.
+        self.call_later(lambda: self.post_message(self.Submitted(self, self.text)))
 
     def action_newline(self) -> None:
         self.insert("\n")

@@ -731,3 +731,21 @@ async def test_a_preempted_reply_says_it_waits_for_kv_memory(tmp_path: Path, lon
         await wait_for(pilot, lambda: "waiting for KV memory" in _footer(tab.reply), "the waiting footer")
         app.events.push(TurnPreempted(rid, tab.engine_cid, False))
         await wait_for(pilot, lambda: _footer(tab.reply).startswith("generating"), "the footer back")
+
+
+async def test_text_typed_in_a_burst_with_enter_is_sent_whole(tmp_path: Path) -> None:
+    """Keys that arrive together (fast typing, a paste without bracketed paste, tmux send-keys):
+    enter's binding runs before the characters ahead of it reach the box; none may be lost."""
+    from textual import events
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        calls = spy_submit(app)
+        tab = app.active_tab
+        for ch in "Tell me a joke.":  # as the driver posts them, without waiting in between
+            app.post_message(events.Key("space" if ch == " " else ch, ch))
+        app.post_message(events.Key("enter", "\r"))
+        await wait_for(pilot, lambda: calls, "the message to be sent")
+        assert calls[-1][-1] == {"role": "user", "content": "Tell me a joke."}
+        assert tab.input.value == ""
