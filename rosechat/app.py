@@ -419,10 +419,15 @@ class RoseChatApp(App[None]):
                 tab.engine_cid = self.engine.new_conversation()
         self.tabbed.active = tab.id or ""
         tab.update_system_line()
-        # After the switch is laid out: focusing a widget of a pane not yet shown can leave the focus in
-        # the old pane, and TabbedContent then activates the pane that holds the focus.
-        self.call_after_refresh(tab.input.focus)
+        self.call_after_refresh(self._focus_active_input)  # once the new pane is laid out
         return tab
+
+    def _focus_active_input(self) -> None:
+        """Focus the input of the tab active *now*. Every focus request goes through here, late
+        ones included (after a refresh, a TabActivated handled after another switch), so focus
+        never lands in a pane the user has left."""
+        if (tab := self.active_tab) is not None:
+            self.set_focus(tab.input)
 
     async def action_new_tab(self) -> None:
         await self.new_tab()
@@ -442,8 +447,8 @@ class RoseChatApp(App[None]):
         await self.tabbed.remove_pane(tab.id or "")
         if not self.tabs:
             await self.new_tab()
-        elif (active := self.active_tab) is not None:
-            active.input.focus()
+        else:
+            self._focus_active_input()
 
     def _switch(self, step: int) -> None:
         tabs, active = self.tabs, self.active_tab
@@ -463,12 +468,7 @@ class RoseChatApp(App[None]):
 
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        # Focus the tab that is active now: this message may be stale (a later switch, or a closed pane),
-        # and focusing a stale pane's input would switch back to it.
-        active = self.active_tab
-        if active is not None and event.pane is active:
-            for chat_input in active.query(ChatInput):
-                chat_input.focus()
+        self._focus_active_input()  # this message may be stale: focus the tab active now
 
     async def action_fork(self) -> None:
         src = self.active_tab

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from markdown_it import MarkdownIt
 from markdown_it.rules_core import StateCore
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
@@ -190,6 +191,11 @@ class ChatTab(TabPane):
         self.reply_replaces: ChatMessage | None = None  # set when regenerating: the reply it replaces
         self.last_finished: Finished | None = None  # the last completed reply's event
         self.turn: TurnStarted | None = None  # the current (or last) turn: its context fit
+
+    def on_descendant_focus(self, event: events.DescendantFocus) -> None:
+        # The app picks the active tab and focus follows it, never the reverse: TabPane's default
+        # (activate the pane that got focus) let a late focus request switch the user back.
+        event.prevent_default()
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="chat-log"):

@@ -749,3 +749,28 @@ async def test_text_typed_in_a_burst_with_enter_is_sent_whole(tmp_path: Path) ->
         await wait_for(pilot, lambda: calls, "the message to be sent")
         assert calls[-1][-1] == {"role": "user", "content": "Tell me a joke."}
         assert tab.input.value == ""
+
+
+async def test_tab_switches_in_a_burst_end_on_the_last_one(tmp_path: Path) -> None:
+    """A late focus request (after a refresh, or a TabActivated handled after the next switch) must
+    never switch the user back to a tab they left: the race of test_tabs_keys_and_close_frees_blocks."""
+    from textual import events
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.post_message(events.Key("ctrl+n", None))
+        app.post_message(events.Key("ctrl+n", None))
+        await wait_for(pilot, lambda: len(app.tabs) == 3, "three tabs")
+        tabs = app.tabs
+        for key in ("ctrl+pagedown", "ctrl+pageup", "ctrl+pagedown", "f5", "f6", "f5"):  # no waiting between
+            app.post_message(events.Key(key, None))
+        await pilot.pause()
+        # 2 -> 0 -> 2 -> 0 -> 2 -> 0 -> 2
+        await wait_for(pilot, lambda: app.active_tab is tabs[2] and app.focused is tabs[2].input, "the focus")
+        for key, expected in (("f5", 1), ("f6", 2)):
+            await pilot.press(key)
+            assert app.active_tab is tabs[expected] and app.focused is tabs[expected].input
+        tabs[0].input.focus()  # a stale request for a tab the user left
+        await pilot.pause()
+        assert app.active_tab is tabs[2]
