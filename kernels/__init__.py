@@ -1,7 +1,9 @@
-"""Paged-attention kernels: Triton kernels and their vectorised PyTorch reference.
+"""Paged-attention kernels: Triton kernels and a vectorised PyTorch path (the CPU default).
 
 Every entry point takes ``backend``: "triton", "torch", or None (Triton when the tensors are on
 CUDA and Triton is installed, the PyTorch path otherwise). Triton is imported only when used.
+Modules, one per backend and job: triton_decode / torch_decode, triton_prefill / torch_prefill,
+triton_cache / torch_cache; torch_budget bounds the PyTorch path's intermediates.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import reference
-from kernels.reference import DecodePlan, SharedPrefix, plan_decode
+from kernels import torch_cache, torch_decode, torch_prefill
+from kernels.torch_decode import DecodePlan, SharedPrefix, plan_decode
 
 __all__ = [
     "DecodePlan",
@@ -78,7 +80,7 @@ def paged_decode_attention(
         from kernels.triton_decode import paged_decode_attention as impl
 
         return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return reference.paged_decode_attention(
+    return torch_decode.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, shared_prefixes, plan
     )
 
@@ -102,7 +104,7 @@ def paged_prefill_attention(
     if _use_triton(q, backend):
         from kernels.triton_prefill import paged_prefill_attention as impl
     else:
-        impl = reference.paged_prefill_attention
+        impl = torch_prefill.paged_prefill_attention
     return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
@@ -119,7 +121,7 @@ def write_kv(
     if _use_triton(k, backend):
         from kernels.triton_cache import write_kv as impl
     else:
-        impl = reference.write_kv
+        impl = torch_cache.write_kv
     impl(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -136,5 +138,5 @@ def copy_blocks(
     if _use_triton(k_cache, backend):
         from kernels.triton_cache import copy_blocks as impl
     else:
-        impl = reference.copy_blocks
+        impl = torch_cache.copy_blocks
     impl(k_cache, v_cache, src, dst)

@@ -173,19 +173,19 @@ def test_torch_chunking_matches_single_chunk(
 ) -> None:
     """Small budgets split the torch path into several sequence chunks (one sequence each, or a
     few padded together), query-row steps and key slices (online softmax): same result."""
-    from kernels import reference
+    from kernels import torch_budget, torch_prefill
 
     ctx, new = prefill_lens(16)
     case = make_case(ctx + [300], new + [200], 6, 2, 64, 16, torch.float32, seed=7)
     whole = run_prefill(case, "torch")
     chunk_sizes: list[int] = []
-    chunk = reference._attend_chunk
-    monkeypatch.setattr(reference, "_attend_chunk", lambda *a: chunk_sizes.append(len(a[4])) or chunk(*a))
+    chunk = torch_prefill._attend_chunk
+    monkeypatch.setattr(torch_prefill, "_attend_chunk", lambda *a: chunk_sizes.append(len(a[4])) or chunk(*a))
     gathers: list[int] = []
-    gather = reference._gather_kv
-    monkeypatch.setattr(reference, "_gather_kv", lambda *a: gathers.append(a[4]) or gather(*a))
-    monkeypatch.setattr(reference, "KV_BUDGET", kv_budget)
-    monkeypatch.setattr(reference, "SCORE_BUDGET", score_budget)
+    gather = torch_prefill._gather_kv
+    monkeypatch.setattr(torch_prefill, "_gather_kv", lambda *a: gathers.append(a[4]) or gather(*a))
+    monkeypatch.setattr(torch_budget, "KV_BUDGET", kv_budget)
+    monkeypatch.setattr(torch_budget, "SCORE_BUDGET", score_budget)
     chunked = run_prefill(case, "torch")
     assert any(k0 > 0 for k0 in gathers)  # some keys came in a later slice: online softmax ran
     # every sequence once; the long ones alone, short ones padded together
@@ -195,11 +195,11 @@ def test_torch_chunking_matches_single_chunk(
 
 
 def test_torch_decode_chunking_matches(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import reference
+    from kernels import torch_budget
 
     case = make_case(decode_lens(8) + [200], [1] * 6, 4, 2, 64, 8, torch.float32, seed=8)
     whole = run_decode(case, "torch")
-    monkeypatch.setattr(reference, "KV_BUDGET", 2 * 200 * 2 * 2 * 64)  # two sequences per chunk
+    monkeypatch.setattr(torch_budget, "KV_BUDGET", 2 * 200 * 2 * 2 * 64)  # two sequences per chunk
     chunked = run_decode(case, "torch")
     check(chunked, case, "decode torch chunked")
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
@@ -241,7 +241,7 @@ def test_decode_shared_prefixes(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: i
     one sequence shares nothing. Equal to dense attention through the tables; fp16 ignores the
     groups (it takes the sliced path), fp32 attends each prefix once, read in place when its blocks
     are consecutive in the pool."""
-    from kernels import reference
+    from kernels import torch_decode
 
     bs = 8
     ctx = [3 * bs + 1, 5 * bs + 2, 4 * bs - 1, 2 * bs + 5, bs + 3, 2 * bs]
@@ -249,11 +249,11 @@ def test_decode_shared_prefixes(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: i
     if consecutive:
         renumber_first(case, case.block_tables[1, :3].tolist())
     prefixes = share_prefixes(case, [([1, 0, 2], 3), ([4, 5], 1)], bs)
-    plan = reference.plan_decode(case.block_tables, case.context_lens, bs, hkv * 64, dtype, prefixes)
+    plan = torch_decode.plan_decode(case.block_tables, case.context_lens, bs, hkv * 64, dtype, prefixes)
     assert (plan.prefixes[0].first_block == 0) == consecutive
     calls: list[tuple[int, ...]] = []
-    lse = reference._attention_lse
-    monkeypatch.setattr(reference, "_attention_lse", lambda q, *a: calls.append(tuple(q.shape)) or lse(q, *a))
+    lse = torch_decode._attention_lse
+    monkeypatch.setattr(torch_decode, "_attention_lse", lambda q, *a: calls.append(tuple(q.shape)) or lse(q, *a))
     out = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
                                  case.scale, shared_prefixes=prefixes, backend="torch")
     check(out, case, f"decode torch shared prefixes {dtype}")
