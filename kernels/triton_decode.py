@@ -2,8 +2,9 @@
 
 Stage 1 runs one program per (sequence, KV head, split): it loads each K/V tile once for all the
 query heads sharing that KV head (group padded to >= 16 rows so tl.dot can use tensor cores) and
-keeps an online softmax in fp32. With one split it writes the output directly; otherwise each
-split writes a normalised partial and its log-sum-exp, and stage 2 merges the splits.
+keeps an online softmax in fp32 (the tile loop shared with prefill, kernels.triton_tiles). With one
+split it writes the output directly; otherwise each split writes a normalised partial and its
+log-sum-exp, and stage 2 merges the splits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_tiles import attend_kv_tiles
 
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
 MAX_SPLITS = 64
@@ -52,35 +55,14 @@ def _decode_stage1(
         other=0.0,
     )
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b * stride_btb
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        # masked loads: table entries and slots past the context are never touched
-        blk = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
-        slot = offs_n % BS
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G, N], log2 domain
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v = tl.load(
-            v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = attend_kv_tiles(
+        q, bt_row, k_ptr, v_ptr, kvh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        start, end, 0, scale_log2,
+        BLOCK_G, D, BS, BLOCK_N, BLOCK_D, False, PRECISION,
+    )  # fmt: skip
 
     acc = acc / l_i[:, None]
     out_mask = mask_g[:, None] & mask_d[None, :]

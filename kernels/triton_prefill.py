@@ -3,7 +3,8 @@
 One program per (query tile, query head). Tiles of all sequences are numbered without a device
 sync: sequence b owns tile ids [cu[b] // BLOCK_M + b, cu[b+1] // BLOCK_M + b + 1), found in the
 kernel by binary search over cu_seqlens_q; surplus ids exit at once. K/V are read block by block
-through the block table, from position 0 (the cached prefix) up to the tile's last query.
+through the block table, from position 0 (the cached prefix) up to the tile's last query, by the
+tile loop shared with decode (kernels.triton_tiles).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_tiles import attend_kv_tiles
 
 
 @triton.jit
@@ -62,37 +65,17 @@ def _prefill_kernel(
         other=0.0,
     )
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b * stride_btb
-    # keys past the tile's last query are causally invisible to the whole tile: never loaded
+    # keys past the tile's last query are causally invisible to the whole tile: never loaded;
+    # padding rows (offs_m >= q_len) see keys up to kv_end only, so no row is all -inf
     kv_end = tl.minimum(ctx - q_len + m0 + BLOCK_M, ctx)
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < kv_end
-        blk = tl.load(bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
-        slot = offs_n % BS
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        # padding rows (offs_m >= q_len) see keys up to kv_end only, so no row is all -inf
-        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v = tl.load(
-            v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    acc, _, l_i = attend_kv_tiles(
+        q, bt_row, k_ptr, v_ptr, kvh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        0, kv_end, pos, scale_log2,
+        BLOCK_M, D, BS, BLOCK_N, BLOCK_D, True, PRECISION,
+    )  # fmt: skip
 
     acc = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
