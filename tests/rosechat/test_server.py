@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLMEngine
-from rosechat.server import ServerSettings, create_app
+from rosechat.server.app import ServerSettings, create_app
 from rosechat.server.run import BackgroundServer, start_background
 
 KEY = "s3cret-test-key"
@@ -293,3 +293,46 @@ def test_sse_wire_format_ends_with_done(server: BackgroundServer) -> None:
     assert events[-1] == "data: [DONE]"
     assert all(e.startswith("data: ") for e in events)
     assert json.loads(events[0][6:])["object"] == "chat.completion.chunk"
+
+
+# ---------------------------------------------------------------------- the command line
+def test_rosechat_serve_command_serves_and_stops_on_ctrl_c(tmp_path) -> None:
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "ROSECHAT_API_KEY": KEY}
+    cmd = [sys.executable, "-m", "rosechat.cli", "--config", str(tmp_path / "none.toml"), "serve", "--model",
+           "demo", "--device", "cpu", "--num-blocks", "64", "--port", "0", "--max-tokens", "4"]
+    (tmp_path / "none.toml").write_text("")
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        url = None
+        for line in proc.stderr:  # the line naming the address comes once the socket is bound
+            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
+                url = m.group(1)
+                break
+        assert url, "no listening line"
+        wait_for(lambda: _health(url))
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], temperature=0)
+        assert r.usage.completion_tokens <= 4  # --max-tokens is the default for requests without one
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        rest = proc.stderr.read()
+        assert "rosechat serve: stopped" in rest and "Traceback" not in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _health(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
