@@ -93,7 +93,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                  "repetition_penalty": body.repetition_penalty, "seed": body.seed,
                  "top_k": None if body.top_k is None else max(body.top_k, 0)}
         values.update({k: v for k, v in given.items() if v is not None})
-        values.update(n=body.n, stop=body.stop_list())
+        values.update(n=body.n, stop=body.stop_list(), ignore_eos=body.ignore_eos)
         try:
             return SamplingParams(**values)
         except (TypeError, ValueError) as e:

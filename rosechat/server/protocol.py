@@ -50,6 +50,7 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+    ignore_eos: bool = False  # vLLM's extension: always generate max_tokens (benchmarks)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
