@@ -115,6 +115,10 @@ def test_stop_string_cuts_the_reply(server: BackgroundServer) -> None:
     cut = c.chat.completions.create(model="demo", messages=chat("go on"), max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.index(stop)]
+    chunks = list(c.chat.completions.create(model="demo", messages=chat("go on"), max_tokens=12, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text[: text.index(stop)]  # none leaks
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_completions_endpoint(server: BackgroundServer) -> None:
