@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
 
 from engine import EngineError, Finished, LLMEngine, SamplingParams, TokenDelta
 from rosechat.server.errors import APIError, error_body, install_error_handlers
@@ -29,6 +30,22 @@ from rosechat.server.metrics import ServerMetrics
 from rosechat.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
+
+
+class TurnStream(StreamingResponse):
+    """An SSE response that always ends its turn: a client gone before the first chunk cancels the
+    response before its generator starts, and a generator never started runs no `finally`."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 @dataclass
@@ -193,8 +210,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                       kind: str) -> Response:
         turn = await start_turn(tokens, params)
         if body.stream:
-            return StreamingResponse(stream(turn, body, kind), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return TurnStream(stream(turn, body, kind), lambda: hub.release(turn))
         ev = await finish_or_disconnect(request, turn)
         if ev is None:
             return Response(status_code=499)  # nobody reads it
