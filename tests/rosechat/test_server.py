@@ -340,3 +340,9 @@ def _health(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=5).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_max_completion_tokens_and_ignore_eos(server: BackgroundServer) -> None:
+    r = client(server).chat.completions.create(model="demo", messages=chat("short"), max_completion_tokens=3,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
