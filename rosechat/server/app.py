@@ -61,10 +61,8 @@ class ServerSettings:
 
 def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAPI:
     s = settings or ServerSettings()
-    hub_ref: dict[str, EngineHub] = {}
-    metrics = ServerMetrics(s.model_name, lambda: hub_ref["hub"].snapshot if "hub" in hub_ref else None)
+    metrics = ServerMetrics(s.model_name, lambda: hub.snapshot)  # hub: bound below, read at scrape time
     hub = EngineHub(llm, on_finished=metrics.finished, on_abort=metrics.aborted)
-    hub_ref["hub"] = hub
     created = int(time.time())
     ctx = llm.info.max_model_len
 

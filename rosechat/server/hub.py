@@ -19,9 +19,11 @@ from engine import (
     LLMEngine,
     SamplingParams,
     TokenDelta,
+    TurnPreempted,
     TurnStarted,
 )
-from engine.events import Event
+
+Event = TurnStarted | TurnPreempted | TokenDelta | Finished | EngineError | CacheSnapshot  # the public events
 
 
 @dataclass
