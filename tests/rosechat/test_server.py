@@ -199,7 +199,7 @@ def _aborts(server: BackgroundServer) -> float:
 
 def test_streaming_client_disconnect_aborts_and_frees_blocks(server: BackgroundServer) -> None:
     before = _aborts(server)
-    body = {**GOOD, "max_tokens": 900, "stream": True, "messages": chat("a long answer please")}
+    body = {**GOOD, "max_tokens": 1800, "ignore_eos": True, "stream": True, "messages": chat("a long answer please")}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -211,16 +211,21 @@ def test_streaming_client_disconnect_aborts_and_frees_blocks(server: BackgroundS
 
 def test_non_streaming_client_disconnect_aborts_and_frees_blocks(server: BackgroundServer) -> None:
     before = _aborts(server)
-    body = {**GOOD, "max_tokens": 900, "messages": chat("another long answer")}
+    # ignore_eos: the reply cannot end by itself before the client gives up
+    body = {**GOOD, "max_tokens": 1800, "ignore_eos": True, "messages": chat("another long answer")}
+    outcome: list[BaseException | httpx.Response] = []
 
     def go() -> None:
-        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
-            httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        try:  # the client gives up after 1 s without an answer and closes its connection
+            outcome.append(httpx.post(f"{server.url}/v1/chat/completions", json=body,
+                                      timeout=httpx.Timeout(60, read=1.0)))
+        except BaseException as e:
+            outcome.append(e)
 
     t = threading.Thread(target=go)
     t.start()
-    wait_for(lambda: kv(server)["num_running"] > 0)
     t.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], httpx.ReadTimeout), outcome
     wait_for(lambda: _aborts(server) > before)
     wait_for(lambda: kv(server)["used_blocks"] == 0 and kv(server)["num_running"] == 0)
 
@@ -279,7 +284,7 @@ def test_body_size_limit(guarded: BackgroundServer) -> None:
 
 def test_queue_bound_answers_503(guarded: BackgroundServer) -> None:
     auth = {"Authorization": f"Bearer {KEY}"}
-    body = {**GOOD, "max_tokens": 900, "stream": True}
+    body = {**GOOD, "max_tokens": 1800, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{guarded.url}/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
         assert r.status_code == 200
         second = httpx.post(f"{guarded.url}/v1/chat/completions", json=GOOD, headers=auth, timeout=30)
