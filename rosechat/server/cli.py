@@ -57,7 +57,9 @@ def serve(config: Config, args: argparse.Namespace) -> int:
     llm = LLMEngine.from_pretrained(model, lambda line: None, **config.engine_kwargs())
     sampling = config.sampling_kwargs(model_defaults=generation_defaults(model))
     sampling.pop("n", None)
-    settings = ServerSettings(model_name=args.served_model_name or config.model.name, api_key=api_key,
+    # the default model missing, the demo runs instead (notice): clients must not be told otherwise
+    name = args.served_model_name or ("demo" if notice else config.model.name)
+    settings = ServerSettings(model_name=name, api_key=api_key,
                               max_n=args.max_n, max_queued=args.max_queued, sampling_defaults=sampling)
     import uvicorn
 
