@@ -135,7 +135,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         u = ev.usage
         return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.prompt_tokens - u.prefilled_tokens}}
+                "prompt_tokens_details": {"cached_tokens": max(0, u.prompt_tokens - u.prefilled_tokens)}}
 
     async def finish_or_disconnect(request: Request, turn: Turn) -> Finished | None:
         """Wait for the reply; None when the client went away first (the handler is not cancelled
