@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                                "where it comes from", description="Show the backend, the model and each "
                                "effective sampling setting with where it comes from; takes the app's options.")
     _options(info)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine",
+                                description="Serve the model over an OpenAI-compatible HTTP API (chat and text "
+                                "completions, /v1/models, /health, /metrics); takes the app's model, cache and "
+                                "sampling options (sampling ones are defaults for fields a request leaves out).")
+    _options(serve)
+    from rosechat.server.cli import add_serve_options
+
+    add_serve_options(serve)
     commands.add_parser("bench", add_help=False, help="benchmarks and checks (`rosechat bench --help`)")
     return p
 
@@ -176,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if info:
         return _info(config)
+    if args.command == "serve":
+        from rosechat.server.cli import serve
+
+        return serve(config, args)
 
     from rosechat.model_choice import ModelChoiceError, choose_model
 

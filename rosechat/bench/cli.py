@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat (default): conversations sharing one system prompt; multiturn: conversations over "
                    "several turns; random: requests of random lengths through continuous batching; "
                    "decode-overhead: rosechat's decode step against the model math alone. "
-                   "(`rosechat bench parity --help`: a model's logits against transformers.)")
+                   "(`rosechat bench parity --help`: a model's logits against transformers; "
+                   "`rosechat bench serve --help`: rosechat serve under concurrent streams.)")
     p.add_argument("--model", default="demo-135m",
                    help="a .gguf file, a folder, a hub id, smollm2-135m-instruct, or demo / demo-135m (default)")
     p.add_argument("--dtype", default="float32", choices=DTYPES,

@@ -1,0 +1,288 @@
+"""The ASGI app: OpenAI-compatible routes over one EngineHub.
+
+Each request is rendered to prompt tokens here (so over-long prompts get a 400 rather than the
+app's silent dropping of old messages), submitted as one engine turn on a fresh conversation,
+and the conversation is dropped when the reply ends: its full blocks stay in the prefix cache,
+so a client resending a growing history prefills only what is new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
+
+from engine import EngineError, Finished, LLMEngine, SamplingParams, TokenDelta
+from rosechat.server.errors import APIError, error_body, install_error_handlers
+from rosechat.server.guard import Guard
+from rosechat.server.hub import EngineHub, Turn
+from rosechat.server.metrics import ServerMetrics
+from rosechat.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
+
+
+class TurnStream(StreamingResponse):
+    """An SSE response that always ends its turn: a client gone before the first chunk cancels the
+    response before its generator starts, and a generator never started runs no `finally`."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+@dataclass
+class ServerSettings:
+    model_name: str = "demo"
+    api_key: str | None = None
+    max_n: int = 16  # samples per request
+    max_queued: int = 256  # requests in flight (running + waiting); more get 503
+    max_body_bytes: int = 8 * 2**20
+    # SamplingParams values for fields a request leaves out (the app's config and flags)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAPI:
+    s = settings or ServerSettings()
+    metrics = ServerMetrics(s.model_name, lambda: hub.snapshot)  # hub: bound below, read at scrape time
+    hub = EngineHub(llm, on_finished=metrics.finished, on_abort=metrics.aborted)
+    created = int(time.time())
+    ctx = llm.info.max_model_len
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        hub.start()
+        try:
+            yield
+        finally:
+            hub.stop()
+
+    app = FastAPI(title="rosechat", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    app.state.hub = hub
+    app.state.metrics = metrics
+
+    # ------------------------------------------------------------------ checks
+    def check_model(body: SamplingFields) -> None:
+        if body.model is not None and body.model != s.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {s.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def sampling_params(
+        body: SamplingFields, n_prompt: int, max_tokens: int | None, prompt_param: str
+    ) -> SamplingParams:
+        if body.logprobs:
+            raise APIError(400, "logprobs are not supported by this server", param="logprobs", code="unsupported")
+        if body.n > s.max_n:
+            raise APIError(400, f"n={body.n} is over this server's limit of {s.max_n}", param="n", code="invalid_value")
+        if n_prompt == 0:
+            raise APIError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
+        if n_prompt >= ctx:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt is {n_prompt} "
+                           "tokens", param=prompt_param, code="context_length_exceeded")
+        room = ctx - n_prompt
+        if max_tokens is not None and max_tokens > room:  # as vLLM: an explicit limit that cannot fit is an error
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; you requested "
+                           f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} in the completion)",
+                           param="max_tokens", code="context_length_exceeded")
+        values = dict(s.sampling_defaults)
+        values["max_tokens"] = min(max_tokens or values.get("max_tokens") or room, room)
+        given = {"temperature": body.temperature, "top_p": body.top_p, "min_p": body.min_p,
+                 "repetition_penalty": body.repetition_penalty, "seed": body.seed,
+                 "top_k": None if body.top_k is None else max(body.top_k, 0)}
+        values.update({k: v for k, v in given.items() if v is not None})
+        values.update(n=body.n, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+        try:
+            return SamplingParams(**values)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+
+    async def start_turn(tokens: list[int], params: SamplingParams) -> Turn:
+        if hub.in_flight >= s.max_queued:  # a bound on the queue, never an unbounded backlog
+            raise APIError(503, f"the server is at capacity ({s.max_queued} requests in flight); retry later",
+                           code="server_overloaded", headers={"Retry-After": "1"})
+        turn = hub.submit(tokens, params)
+        try:
+            first = await turn.events.get()  # TurnStarted, or the engine's refusal: decides the status
+        except BaseException:
+            hub.release(turn)
+            raise
+        if isinstance(first, EngineError):
+            hub.release(turn)
+            status = 503 if first.code == "engine_error" else 400
+            raise APIError(status, first.message, code=first.code)
+        return turn
+
+    # ------------------------------------------------------------------ responses
+    def usage_json(ev: Finished) -> dict[str, Any]:
+        u = ev.usage
+        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": max(0, u.prompt_tokens - u.prefilled_tokens)}}
+
+    async def finish_or_disconnect(request: Request, turn: Turn) -> Finished | None:
+        """Wait for the reply; None when the client went away first (the handler is not cancelled
+        by Starlette on a disconnect, so it polls)."""
+
+        async def collect() -> Finished | EngineError:
+            while True:
+                ev = await turn.events.get()
+                if isinstance(ev, (Finished, EngineError)):
+                    return ev
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    task.cancel()
+                    return None
+            ev = task.result()
+        finally:
+            hub.release(turn)  # aborts it if still running: its blocks are freed
+        if isinstance(ev, EngineError):
+            raise APIError(500, ev.message, code=ev.code)
+        return ev
+
+    def sse(obj: dict[str, Any]) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    async def stream(turn: Turn, body: SamplingFields, kind: str) -> AsyncIterator[str]:
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        head = {"id": rid, "object": obj, "created": int(time.time()), "model": s.model_name}
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
+            if kind == "chat":
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return sse({**head, "choices": [choice], **extra})
+
+        try:
+            if kind == "chat":
+                for i in range(body.n):
+                    yield chunk(i, None, role=True)
+            while True:
+                ev = await turn.events.get()
+                if isinstance(ev, TokenDelta):
+                    yield chunk(ev.index, ev.text)
+                elif isinstance(ev, Finished):
+                    for i, reason in enumerate(ev.finish_reasons):
+                        yield chunk(i, None if kind == "chat" else "", reason)
+                    if include_usage:
+                        yield sse({**head, "choices": [], "usage": usage_json(ev)})
+                    break
+                elif isinstance(ev, EngineError):  # headers are sent: report it in the stream, as vLLM does
+                    yield sse(error_body(500, ev.message, None, ev.code))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # also on a client disconnect (the generator is cancelled): abort, free the blocks
+            hub.release(turn)
+
+    async def respond(request: Request, body: SamplingFields, tokens: list[int], params: SamplingParams,
+                      kind: str) -> Response:
+        turn = await start_turn(tokens, params)
+        if body.stream:
+            return TurnStream(stream(turn, body, kind), lambda: hub.release(turn))
+        ev = await finish_or_disconnect(request, turn)
+        if ev is None:
+            return Response(status_code=499)  # nobody reads it
+        if kind == "chat":
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": reason} for i, (text, reason) in enumerate(zip(ev.texts, ev.finish_reasons))]
+            obj, prefix = "chat.completion", "chatcmpl"
+        else:
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                       for i, (text, reason) in enumerate(zip(ev.texts, ev.finish_reasons))]
+            obj, prefix = "text_completion", "cmpl"
+        return JSONResponse({"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+                             "model": s.model_name, "choices": choices, "usage": usage_json(ev)})
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if hub.alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": created,
+                                            "owned_by": "rosechat", "root": llm.info.name, "max_model_len": ctx}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body)
+        if body.tools:
+            raise APIError(400, "tools are not supported by this server", param="tools", code="unsupported")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            tokens = llm.render_chat(messages)
+        except Exception as e:  # the model's chat template refused them (roles out of order, ...)
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
+                           code="invalid_value") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = sampling_params(body, len(tokens), max_tokens, "messages")
+        return await respond(request, body, tokens, params, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body)
+        if body.echo:
+            raise APIError(400, "echo is not supported by this server", param="echo", code="unsupported")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request: send a batch as separate requests", param="prompt",
+                               code="unsupported")
+            prompt = prompt[0]
+        tokens = llm.encode(prompt)  # type: ignore[arg-type]  # token ids out of the vocabulary: the engine refuses
+        params = sampling_params(body, len(tokens), body.max_tokens, "prompt")
+        return await respond(request, body, tokens, params, "completion")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        await hub.fresh_snapshot()
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/rosechat/kv")
+    async def kv_map() -> dict[str, Any]:
+        snap = await hub.fresh_snapshot()
+        if snap is None:
+            raise APIError(503, "no cache snapshot yet", code="not_ready")
+        return {"num_blocks": snap.num_blocks, "block_size": snap.block_size, "state": list(snap.state),
+                "state_names": ["free", "cached", "used"], "refcount": list(snap.refcount),
+                "owners": [list(o) for o in snap.owners], "used_blocks": snap.used_blocks,
+                "cached_blocks": snap.cached_blocks, "free_blocks": snap.free_blocks,
+                "shared_blocks": snap.shared_blocks, "blocks_saved": snap.blocks_saved,
+                "num_running": snap.num_running, "num_waiting": snap.num_waiting,
+                "prefix_cache_queries": snap.prefix_cache_queries, "prefix_cache_hits": snap.prefix_cache_hits,
+                "hit_rate": snap.hit_rate, "cow_copies": snap.cow_copies, "preemptions": snap.preemptions,
+                "tokens_per_s": snap.tokens_per_s}
+
+    app.add_middleware(Guard, api_key=s.api_key, max_body_bytes=s.max_body_bytes)
+    return app

@@ -1,0 +1,78 @@
+"""`rosechat serve`: load the model with the app's options, then serve it until Ctrl+C."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from rosechat.config import Config
+
+API_KEY_ENV = "ROSECHAT_API_KEY"
+
+
+def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free one; default 8000)")
+    g.add_argument("--api-key", metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
+    g.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: --model)")
+    g.add_argument("--max-queued", type=int, default=256, metavar="N",
+                   help="requests in flight (running + waiting) before new ones get 503")
+    g.add_argument("--max-n", type=int, default=16, metavar="N", help="most samples (n) per request")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def serve(config: Config, args: argparse.Namespace) -> int:
+    from engine import LLMEngine, generation_defaults
+    from rosechat.model_choice import ModelChoiceError, choose_model
+    from rosechat.server.app import ServerSettings, create_app
+    from rosechat.server.run import bind, uvicorn_config
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not _is_loopback(args.host) and not api_key:
+        print(f"rosechat serve: warning: listening on {args.host} without an API key: anyone who can reach "
+              "this port can use the model", file=sys.stderr)
+    try:
+        model, notice = choose_model(config)
+    except ModelChoiceError as e:
+        print(f"rosechat serve: {e}", file=sys.stderr)
+        return 2
+    if notice:
+        print(f"rosechat serve: {notice}", file=sys.stderr)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"rosechat serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    print(f"rosechat serve: loading {model.display_name}…", file=sys.stderr, flush=True)
+    llm = LLMEngine.from_pretrained(model, lambda line: None, **config.engine_kwargs())
+    sampling = config.sampling_kwargs(model_defaults=generation_defaults(model))
+    sampling.pop("n", None)
+    # the default model missing, the demo runs instead (notice): clients must not be told otherwise
+    name = args.served_model_name or ("demo" if notice else config.model.name)
+    settings = ServerSettings(model_name=name, api_key=api_key,
+                              max_n=args.max_n, max_queued=args.max_queued, sampling_defaults=sampling)
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn_config(create_app(llm, settings), log_level="info"))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    info = llm.info
+    print(f"rosechat serve: {settings.model_name} ({info.device}, {info.dtype}, {info.num_blocks} KV blocks of "
+          f"{info.block_size}, context {info.max_model_len}) on http://{shown}:{port}/v1"
+          f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+    try:  # Ctrl+C: uvicorn stops accepting, ends open streams, runs the shutdown (the engine thread stops)
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down cleanly
+        pass
+    print("rosechat serve: stopped", file=sys.stderr)
+    return 0

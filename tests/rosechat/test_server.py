@@ -1,0 +1,353 @@
+"""`rosechat serve` over real sockets on 127.0.0.1: the official openai client, raw bad requests,
+disconnects, auth, limits and /metrics. Each server runs uvicorn on a thread with the demo model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import LLMEngine
+from rosechat.server.app import ServerSettings, create_app
+from rosechat.server.run import BackgroundServer, start_background
+
+KEY = "s3cret-test-key"
+SYSTEM = "You are a helpful assistant. " * 12  # a few KV blocks: what the prefix cache reuses
+
+
+def _serve(**settings) -> Iterator[BackgroundServer]:
+    llm = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=128, block_size=16, cuda_graphs=False)
+    server = start_background(create_app(llm, ServerSettings(model_name="demo", **settings)))
+    try:
+        yield server
+    finally:
+        server.stop()
+        assert not server.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[BackgroundServer]:
+    yield from _serve(max_n=4)
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[BackgroundServer]:
+    yield from _serve(api_key=KEY, max_queued=1, max_body_bytes=4096)
+
+
+def client(server: BackgroundServer, key: str = "unused") -> openai.OpenAI:
+    # the client insists on a key even for an open server; no retries, so a failure shows at once
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def chat(text: str, history: list[dict] | None = None) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, *(history or []), {"role": "user", "content": text}]
+
+
+def kv(server: BackgroundServer) -> dict:
+    return httpx.get(f"{server.url}/v1/rosechat/kv", timeout=10).json()
+
+
+def metric_samples(server: BackgroundServer, key: str | None = None) -> dict[tuple[str, tuple], float]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+# ---------------------------------------------------------------------- the API, with the openai client
+def test_health_and_models(server: BackgroundServer) -> None:
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["demo"]
+
+
+def test_chat_non_stream_and_stream_agree(server: BackgroundServer) -> None:
+    c = client(server)
+    full = c.chat.completions.create(model="demo", messages=chat("hello there"), max_tokens=8, temperature=0)
+    text = full.choices[0].message.content
+    assert full.choices[0].finish_reason in ("stop", "length") and full.object == "chat.completion"
+    assert full.usage.completion_tokens <= 8 and full.usage.prompt_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(c.chat.completions.create(model="demo", messages=chat("hello there"), max_tokens=8,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == text  # greedy: the same reply, token for token
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_n_samples_seed_and_sampling_fields(server: BackgroundServer) -> None:
+    c = client(server)
+    kwargs = dict(model="demo", messages=chat("tell me a story"), max_tokens=6, temperature=1.0, top_p=0.9,
+                  seed=7, n=3, extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})
+    a, b = c.chat.completions.create(**kwargs), c.chat.completions.create(**kwargs)
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in b.choices]  # seeded
+    stream = list(c.chat.completions.create(**kwargs, stream=True))
+    texts = ["".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices and ch.choices[0].index == i)
+             for i in range(3)]
+    assert texts == [ch.message.content for ch in a.choices]
+
+
+def test_stop_string_cuts_the_reply(server: BackgroundServer) -> None:
+    c = client(server)
+    free = c.chat.completions.create(model="demo", messages=chat("go on"), max_tokens=12, temperature=0)
+    text = free.choices[0].message.content
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]
+    cut = c.chat.completions.create(model="demo", messages=chat("go on"), max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    chunks = list(c.chat.completions.create(model="demo", messages=chat("go on"), max_tokens=12, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text[: text.index(stop)]  # none leaks
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completions_endpoint(server: BackgroundServer) -> None:
+    c = client(server)
+    done = c.completions.create(model="demo", prompt="the world and", max_tokens=6, temperature=0)
+    assert done.object == "text_completion" and done.usage.completion_tokens <= 6
+    chunks = list(c.completions.create(model="demo", prompt="the world and", max_tokens=6, temperature=0,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == done.choices[0].text
+    by_ids = c.completions.create(model="demo", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
+    assert by_ids.usage.prompt_tokens == 4
+
+
+def test_resent_history_hits_the_prefix_cache(server: BackgroundServer) -> None:
+    c = client(server)
+    first = c.chat.completions.create(model="demo", messages=chat("first question " * 8), max_tokens=8,
+                                      temperature=0)
+    reply = first.choices[0].message.content
+    history = [{"role": "user", "content": "first question " * 8}, {"role": "assistant", "content": reply}]
+    second = c.chat.completions.create(model="demo", messages=chat("and a second one", history), max_tokens=4,
+                                       temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # all the full blocks of the first prompt come from the cache: only the new turn is prefilled
+    assert cached >= (first.usage.prompt_tokens // 16) * 16 > 0
+    assert cached < second.usage.prompt_tokens
+
+
+# ---------------------------------------------------------------------- bad requests
+GOOD = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+BAD: list[tuple[str, bytes | dict, int, str | None]] = [
+    ("malformed JSON", b'{"model": "demo", "messages": [', 400, None),
+    ("not an object", b"[1, 2, 3]", 400, None),
+    ("messages wrong type", {**GOOD, "messages": "hi"}, 400, "messages"),
+    ("max_tokens wrong type", {**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
+    ("negative max_tokens", {**GOOD, "max_tokens": -5}, 400, "max_tokens"),
+    ("unknown model", {**GOOD, "model": "gpt-9"}, 404, "model"),
+    ("n over the limit", {**GOOD, "n": 99}, 400, "n"),
+    ("temperature out of range", {**GOOD, "temperature": -1}, 400, "temperature"),
+    ("unknown role", {**GOOD, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ("prompt longer than the context", {**GOOD, "messages": [{"role": "user", "content": "word " * 3000}]},
+     400, "messages"),
+    ("max_tokens past the context", {**GOOD, "max_tokens": 5000}, 400, "max_tokens"),
+    ("empty messages", {**GOOD, "messages": []}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_request_gets_an_openai_error_and_the_server_goes_on(server, name, body, status, param) -> None:
+    url = f"{server.url}/v1/chat/completions"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    ok = httpx.post(url, json=GOOD, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_bad_requests_through_the_openai_client(server: BackgroundServer) -> None:
+    c = client(server)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=chat("x"), max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="demo", prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError):  # token ids outside the vocabulary: the engine refuses
+        c.completions.create(model="demo", prompt=[10**7], max_tokens=2)
+    assert httpx.get(f"{server.url}/v1/nothing-here", timeout=10).json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------- disconnects free their blocks
+def _aborts(server: BackgroundServer) -> float:
+    return metric_samples(server).get(
+        ("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", "demo"))), 0.0)
+
+
+def test_streaming_client_disconnect_aborts_and_frees_blocks(server: BackgroundServer) -> None:
+    before = _aborts(server)
+    body = {**GOOD, "max_tokens": 1800, "ignore_eos": True, "stream": True, "messages": chat("a long answer please")}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while not next(lines).startswith('data: {"id"'):
+            pass
+    wait_for(lambda: _aborts(server) > before)
+    wait_for(lambda: kv(server)["used_blocks"] == 0 and kv(server)["num_running"] == 0)
+
+
+def test_non_streaming_client_disconnect_aborts_and_frees_blocks(server: BackgroundServer) -> None:
+    before = _aborts(server)
+    # ignore_eos: the reply cannot end by itself before the client gives up
+    body = {**GOOD, "max_tokens": 1800, "ignore_eos": True, "messages": chat("another long answer")}
+    outcome: list[BaseException | httpx.Response] = []
+
+    def go() -> None:
+        try:  # the client gives up after 1 s without an answer and closes its connection
+            outcome.append(httpx.post(f"{server.url}/v1/chat/completions", json=body,
+                                      timeout=httpx.Timeout(60, read=1.0)))
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=go)
+    t.start()
+    t.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], httpx.ReadTimeout), outcome
+    wait_for(lambda: _aborts(server) > before)
+    wait_for(lambda: kv(server)["used_blocks"] == 0 and kv(server)["num_running"] == 0)
+
+
+# ---------------------------------------------------------------------- metrics and the KV map
+def test_metrics_use_vllm_names_and_move(server: BackgroundServer) -> None:
+    m0 = metric_samples(server)
+    names = {name for name, _ in m0}
+    lab = (("model_name", "demo"),)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_count"):
+        assert name in names, name
+    r = client(server).chat.completions.create(model="demo", messages=chat("count me"), max_tokens=5, temperature=0)
+    m1 = metric_samples(server)
+    assert m1[("vllm:prompt_tokens_total", lab)] - m0.get(("vllm:prompt_tokens_total", lab), 0) == \
+        r.usage.prompt_tokens
+    assert m1[("vllm:generation_tokens_total", lab)] - m0.get(("vllm:generation_tokens_total", lab), 0) == \
+        r.usage.completion_tokens
+    assert m1[("vllm:time_to_first_token_seconds_count", lab)] == \
+        m0.get(("vllm:time_to_first_token_seconds_count", lab), 0) + 1
+    assert m1[("vllm:prefix_cache_queries_total", lab)] > m0[("vllm:prefix_cache_queries_total", lab)]
+    assert m1[("vllm:prefix_cache_hits_total", lab)] > m0[("vllm:prefix_cache_hits_total", lab)]  # the system prompt
+    assert 0 <= m1[("vllm:kv_cache_usage_perc", lab)] <= 1
+
+
+def test_kv_map_endpoint(server: BackgroundServer) -> None:
+    snap = kv(server)
+    assert snap["num_blocks"] == 128 and len(snap["state"]) == len(snap["refcount"]) == len(snap["owners"]) == 128
+    assert snap["cached_blocks"] > 0  # earlier requests left their full blocks in the prefix cache
+
+
+# ---------------------------------------------------------------------- auth and limits
+def test_api_key_on_every_endpoint_but_health(guarded: BackgroundServer) -> None:
+    assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200
+    for path in ("/v1/models", "/metrics", "/v1/rosechat/kv"):
+        r = httpx.get(f"{guarded.url}{path}", timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        wrong = httpx.get(f"{guarded.url}{path}", headers={"Authorization": "Bearer nope"}, timeout=10)
+        assert wrong.status_code == 401
+        assert httpx.get(f"{guarded.url}{path}", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=10).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        client(guarded, "wrong").models.list()
+    r = client(guarded, KEY).chat.completions.create(model="demo", messages=chat("hi"), max_tokens=2)
+    assert r.choices[0].message.role == "assistant"
+
+
+def test_body_size_limit(guarded: BackgroundServer) -> None:
+    body = {**GOOD, "messages": [{"role": "user", "content": "x" * 10_000}]}
+    r = httpx.post(f"{guarded.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=10)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_queue_bound_answers_503(guarded: BackgroundServer) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {**GOOD, "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{guarded.url}/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
+        assert r.status_code == 200
+        second = httpx.post(f"{guarded.url}/v1/chat/completions", json=GOOD, headers=auth, timeout=30)
+        assert second.status_code == 503 and second.headers["retry-after"] == "1"
+        assert second.json()["error"]["code"] == "server_overloaded"
+    wait_for(lambda: httpx.post(f"{guarded.url}/v1/chat/completions", json=GOOD, headers=auth,
+                                timeout=30).status_code == 200)
+
+
+def test_sse_wire_format_ends_with_done(server: BackgroundServer) -> None:
+    body = {**GOOD, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert json.loads(events[0][6:])["object"] == "chat.completion.chunk"
+
+
+# ---------------------------------------------------------------------- the command line
+def test_rosechat_serve_command_serves_and_stops_on_ctrl_c(tmp_path) -> None:
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "ROSECHAT_API_KEY": KEY}
+    cmd = [sys.executable, "-m", "rosechat.cli", "--config", str(tmp_path / "none.toml"), "serve", "--model",
+           "demo", "--device", "cpu", "--num-blocks", "64", "--port", "0", "--max-tokens", "4"]
+    (tmp_path / "none.toml").write_text("")
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        url = None
+        for line in proc.stderr:  # the line naming the address comes once the socket is bound
+            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
+                url = m.group(1)
+                break
+        assert url, "no listening line"
+        wait_for(lambda: _health(url))
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], temperature=0)
+        assert r.usage.completion_tokens <= 4  # --max-tokens is the default for requests without one
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        rest = proc.stderr.read()
+        assert "rosechat serve: stopped" in rest and "Traceback" not in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _health(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_max_completion_tokens_and_ignore_eos(server: BackgroundServer) -> None:
+    r = client(server).chat.completions.create(model="demo", messages=chat("short"), max_completion_tokens=3,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
