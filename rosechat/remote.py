@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import openai
 
+from engine import SamplingParams
 from engine.events import CacheSnapshot, EngineError, Event, Finished, TokenDelta, TurnStarted, Usage
-from engine.sequence import SamplingParams
 from rosechat.server_stats import ServerStats, parse_metrics, snapshot_from_json
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -78,7 +78,7 @@ class RemoteBackend:
         self.on_event = on_event
         self.api_key = api_key
         self.model = model  # None: the server's first model, asked on the first turn
-        self.send = frozenset(send)  # sampling fields to send; the others stay the server's own
+        self.send = frozenset(send) & set(SAMPLING_FIELDS)  # fields sent; the others stay the server's own
         self.snapshot_interval = snapshot_interval
         self._timeout = openai.Timeout(timeout, connect=connect_timeout)
         self._ids = itertools.count()
