@@ -17,8 +17,8 @@ from rosechat.app import RoseChatApp
 from rosechat.config import load_config
 from rosechat.history import HistoryStore
 from rosechat.screens import ConfirmScreen, ConversationsScreen, SystemPromptScreen, TextPromptScreen
-from rosechat.widgets.chat import ChatTab
 from rosechat.widgets.kv_panel import BlockMap, KVPanel, stats_text
+from rosechat.widgets.tab import ChatTab
 
 SIZE = (110, 40)
 

@@ -1,0 +1,68 @@
+"""Engine events as Textual messages, routed by request id to the tab that owns the request.
+
+The app drains the engine's events (coalesced per frame) and posts each request's share to its
+tab; the tab's queue keeps them in order: started, text, waiting, then finished or failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from textual.message import Message
+
+if TYPE_CHECKING:
+    from engine.events import EngineError, Finished, TurnStarted
+    from rosechat.widgets.chat import ChatMessage, MessageView
+
+
+@dataclass
+class ActiveReply:
+    """The reply a tab is generating: its request, where it is shown, what it replaces."""
+
+    request_id: str
+    view: MessageView
+    replaces: ChatMessage | None = None  # regenerating: the reply it replaces
+
+
+class ReplyEvent(Message, bubble=False):
+    def __init__(self, request_id: str) -> None:
+        super().__init__()
+        self.request_id = request_id
+
+
+class ReplyStarted(ReplyEvent, bubble=False):
+    """The engine took the turn: how much of the conversation fits its context."""
+
+    def __init__(self, turn: TurnStarted) -> None:
+        super().__init__(turn.request_id)
+        self.turn = turn
+
+
+class ReplyText(ReplyEvent, bubble=False):
+    """New text, one string per alternative (sample index) since the last frame."""
+
+    def __init__(self, request_id: str, deltas: list[tuple[int, str]]) -> None:
+        super().__init__(request_id)
+        self.deltas = deltas
+
+
+class ReplyWaiting(ReplyEvent, bubble=False):
+    """Preempted (waiting for KV memory) or running again."""
+
+    def __init__(self, request_id: str, waiting: bool) -> None:
+        super().__init__(request_id)
+        self.waiting = waiting
+
+
+class ReplyFinished(ReplyEvent, bubble=False):
+    def __init__(self, event: Finished) -> None:
+        super().__init__(event.request_id)
+        self.event = event
+
+
+class ReplyFailed(ReplyEvent, bubble=False):
+    def __init__(self, error: EngineError) -> None:
+        assert error.request_id is not None
+        super().__init__(error.request_id)
+        self.error = error
