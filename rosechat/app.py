@@ -1,6 +1,6 @@
 """The rosechat Textual app: chat tabs over one backend, and the KV-cache panel.
 
-Threads: the model loads in a thread worker; the engine then runs on its own thread, whose event
+Threads: the model loads in a thread worker (``ModelLoader``); the engine then runs on its own thread, whose event
 callback only appends to an ``EventBuffer``. A 30 Hz timer posts one ``EngineEvents`` message when
 something is pending; its handler drains the coalesced batch on the UI thread and routes each
 request's events, as typed messages, to the tab that owns the request. The tabs do the rest.
@@ -9,7 +9,6 @@ request's events, as typed messages, to the tab that owns the request. The tabs 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,10 +16,8 @@ from typing import TYPE_CHECKING, Any
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
-from textual.markup import escape
 from textual.message import Message
-from textual.widgets import Footer, Header, Label, LoadingIndicator, TabbedContent
+from textual.widgets import Footer, Header
 
 from rosechat.backend import Backend, local_backend
 from rosechat.bridge import EventBuffer
@@ -31,15 +28,16 @@ from rosechat.saver import Saver
 from rosechat.screens import ConversationDeleted, ConversationsScreen, SystemPromptScreen, TextPromptScreen
 from rosechat.terminal import TerminalWatch
 from rosechat.widgets.chat import ChatInput
-from rosechat.widgets.kv_panel import PALETTE, KVPanel, OwnerStyle
-from rosechat.widgets.reply import ReplyFailed, ReplyFinished, ReplyStarted, ReplyText, ReplyWaiting
+from rosechat.widgets.kv_panel import KVPanel, OwnerStyle
+from rosechat.widgets.loading import ModelLoader
+from rosechat.widgets.reply import ReplyFailed, ReplyFinished, reply_messages
 from rosechat.widgets.tab import NEW_CHAT, ChatTab
+from rosechat.widgets.tabs import ChatTabs
 
 if TYPE_CHECKING:
     from engine import CacheSnapshot, LLMEngine, ModelSource, SamplingParams
 
 DRAIN_HZ = 30
-_CODE_FENCE = re.compile(r"^[ \t]*(?:```|~~~)[^\n]*\n(.*?)\n?[ \t]*(?:```|~~~)[ \t]*$", re.DOTALL | re.MULTILINE)
 
 
 class RoseChatApp(App[None]):
@@ -77,23 +75,6 @@ class RoseChatApp(App[None]):
     class EngineEvents(Message):
         """Something is waiting in the event buffer."""
 
-    class ModelProgress(Message):
-        """How far loading is (from the loader thread)."""
-
-        def __init__(self, text: str) -> None:
-            super().__init__()
-            self.text = text
-
-    class ModelLoaded(Message):
-        def __init__(self, llm: LLMEngine) -> None:
-            super().__init__()
-            self.llm = llm
-
-    class ModelFailed(Message):
-        def __init__(self, error: str) -> None:
-            super().__init__()
-            self.error = error
-
     def __init__(
         self,
         config: Config,
@@ -118,17 +99,14 @@ class RoseChatApp(App[None]):
         self.model_notice = model_notice  # why the demo model runs instead of the configured one
         self.load_error: str | None = None  # why no model could be loaded
         self.saver = Saver(history, self._model_name, self.notify)
-        self._colors = 0
         self._drain_posted = False
         self._terminal = TerminalWatch(self._exit_from_thread)
 
     # ------------------------------------------------------------------ layout and start-up
     def compose(self) -> ComposeResult:
         yield Header()
-        with Vertical(id="loading"):
-            yield LoadingIndicator()
-            yield Label(f"Loading {escape(self._model_name())}…", id="loading-label")
-        yield TabbedContent(id="tabs")
+        yield ModelLoader(self.config, self.model, self.model_notice, self._engine_factory, id="loading")
+        yield ChatTabs(id="tabs")
         panel = KVPanel(id="kv")
         panel.display = self.config.ui.show_kv_panel
         yield panel
@@ -138,7 +116,6 @@ class RoseChatApp(App[None]):
         self.theme = self.config.ui.theme
         self.sub_title = f"loading {self._model_name()}…"
         await self.new_tab()
-        self.load_engine()
         if not self.is_headless:
             self._terminal.start()
 
@@ -152,8 +129,8 @@ class RoseChatApp(App[None]):
         return self.model.display_name if self.model is not None else self.config.model.name
 
     @property
-    def tabbed(self) -> TabbedContent:
-        return self.query_one("#tabs", TabbedContent)
+    def tabbed(self) -> ChatTabs:
+        return self.query_one("#tabs", ChatTabs)
 
     @property
     def kv_panel(self) -> KVPanel:
@@ -165,54 +142,21 @@ class RoseChatApp(App[None]):
 
     @property
     def active_tab(self) -> ChatTab | None:
-        pane = self.tabbed.active_pane
-        return pane if isinstance(pane, ChatTab) else None
+        return self.tabbed.active_tab
 
-    def _post(self, message: Message) -> None:
-        """From the loader thread: never blocks on the UI, so a closing app cannot hang it."""
-        try:
-            self.post_message(message)
-        except RuntimeError:  # the event loop is closed: the app has gone
-            pass
-
-    @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
-    def load_engine(self) -> None:
-        """Thread worker: loading weights takes seconds to minutes; the loading line shows how far."""
-        from engine import LLMEngine
-        from rosechat.model_choice import ModelChoiceError, choose_model
-
-        kwargs = self.config.engine_kwargs()
-        factory = self._engine_factory or (lambda src, progress: LLMEngine.from_pretrained(src, progress, **kwargs))
-        try:
-            if self.model is None:  # the command line chose it already; tests may not have
-                self.model, self.model_notice = choose_model(self.config)
-            name = self.model.display_name
-            self._post(self.ModelProgress(f"Loading {name}…"))
-            llm = factory(self.model, lambda line: self._post(self.ModelProgress(f"Loading {name}: {line}")))
-        except ModelChoiceError as e:
-            self._post(self.ModelFailed(str(e)))
-        except Exception as e:  # a broken checkpoint...: say so; the app stays up to say it
-            self._post(self.ModelFailed(f"{type(e).__name__}: {e}"))
-        else:
-            self._post(self.ModelLoaded(llm))
-
-    def on_rose_chat_app_model_progress(self, event: ModelProgress) -> None:
-        if self.engine is None and self.load_error is None:
-            self.query_one("#loading-label", Label).update(escape(event.text))
-
-    def on_rose_chat_app_model_failed(self, event: ModelFailed) -> None:
+    @on(ModelLoader.Failed)
+    def _model_failed(self, event: ModelLoader.Failed) -> None:
         self.load_error = event.error
-        self.query_one(LoadingIndicator).display = False
-        self.query_one("#loading-label", Label).update(escape(f"Could not load the model: {event.error}"))
         self.sub_title = "no model"
         self.notify(event.error, title="Model failed to load", severity="error", timeout=30)
 
-    def on_rose_chat_app_model_loaded(self, event: ModelLoaded) -> None:
+    @on(ModelLoader.Loaded)
+    def _model_loaded(self, event: ModelLoader.Loaded) -> None:
+        self.model, self.model_notice = event.model, event.notice
         llm = self.llm = event.llm
         self.engine = local_backend(llm, self.events.push)
         info = llm.info
         self.sub_title = " · ".join([info.name, info.device, info.dtype, info.backend])
-        self.query_one("#loading").display = False
         for tab in self.tabs:
             if tab.engine_cid is None:
                 tab.connect(self.engine)
@@ -254,32 +198,22 @@ class RoseChatApp(App[None]):
 
         self._drain_posted = False
         batch = self.events.drain()
-        for start in batch.starts:
-            self._route(start.request_id, ReplyStarted(start))
-        texts: dict[str, list[tuple[int, str]]] = {}
-        for (rid, index), text in batch.deltas.items():
-            texts.setdefault(rid, []).append((index, text))
-        for rid, deltas in texts.items():
-            self._route(rid, ReplyText(rid, deltas))
-        for rid, waiting in batch.preempted.items():
-            self._route(rid, ReplyWaiting(rid, waiting))
-        for end in batch.ends:  # a request's last event: its route ends with it
-            tab = self.requests.pop(end.request_id, None) if end.request_id else None
-            if isinstance(end, Finished):
-                if tab is not None:
-                    tab.post_message(ReplyFinished(end))
-            elif tab is not None:
-                tab.post_message(ReplyFailed(end))  # the tab says it
-            else:  # not a request's, or its tab has gone
-                self.notify(end.message, title="Engine error", severity="error", timeout=10)
+        for rid, message in reply_messages(batch):
+            if isinstance(message, (ReplyFinished, ReplyFailed)):  # its last: the route ends with it
+                tab = self.requests.pop(rid, None)
+            else:
+                tab = self.requests.get(rid)
+            if tab is not None:
+                tab.post_message(message)  # a tab that has gone drops it
+            elif isinstance(message, ReplyFailed):  # its tab has gone: say it here
+                self.notify(message.error.message, title="Engine error", severity="error", timeout=10)
+        for error in batch.ends:
+            if not isinstance(error, Finished) and error.request_id is None:  # the engine's, no request's
+                self.notify(error.message, title="Engine error", severity="error", timeout=10)
         if batch.snapshot is not None:
             self.last_snapshot = batch.snapshot
             for panel in self.query(KVPanel):  # none once the app is closing: a late snapshot is dropped
                 panel.show(batch.snapshot, self.owner_styles())
-
-    def _route(self, request_id: str, message: Message) -> None:
-        if (tab := self.requests.get(request_id)) is not None:
-            tab.post_message(message)  # a tab that has gone drops it
 
     def owner_styles(self) -> dict[str, OwnerStyle]:
         return {t.engine_cid: OwnerStyle(t.chat_title, t.color) for t in self.tabs if t.engine_cid}
@@ -288,57 +222,30 @@ class RoseChatApp(App[None]):
     async def new_tab(
         self, title: str = NEW_CHAT, system_prompt: str | None = None, *, fork_of: ChatTab | None = None
     ) -> ChatTab:
-        color = PALETTE[self._colors % len(PALETTE)]
-        self._colors += 1
         prompt = self.config.chat.system_prompt if system_prompt is None else system_prompt
-        tab = ChatTab(title, color=color, system_prompt=prompt, saver=self.saver)
-        await self.tabbed.add_pane(tab)
+        tab = ChatTab(title, color=self.tabbed.next_color(), system_prompt=prompt, saver=self.saver)
+        await self.tabbed.open(tab)
         if self.engine is not None:
             tab.connect(self.engine, fork_of)
-        self.tabbed.active = tab.id or ""
-        self.call_after_refresh(self._focus_active_input)  # once the new pane is laid out
         return tab
-
-    def _focus_active_input(self) -> None:
-        """Focus the input of the tab active *now*. Every focus request goes through here, late
-        ones included (after a refresh, a TabActivated handled after another switch), so focus
-        never lands in a pane the user has left."""
-        if (tab := self.active_tab) is not None:
-            self.set_focus(tab.input)
 
     async def action_new_tab(self) -> None:
         await self.new_tab()
 
     async def action_close_tab(self) -> None:
-        tab = self.active_tab
-        if tab is None:
-            return
-        tab.close()  # its reply, kept as far as it got, and its blocks go with it
-        await self.tabbed.remove_pane(tab.id or "")
-        if not self.tabs:
-            await self.new_tab()
-        else:
-            self._focus_active_input()
-
-    def _switch(self, step: int) -> None:
-        tabs, active = self.tabs, self.active_tab
-        if tabs and active is not None:
-            self.tabbed.active = tabs[(tabs.index(active) + step) % len(tabs)].id or ""
+        if (tab := self.active_tab) is not None:
+            await self.tabbed.close(tab)
+            if not self.tabs:
+                await self.new_tab()
 
     def action_next_tab(self) -> None:
-        self._switch(1)
+        self.tabbed.switch(1)
 
     def action_previous_tab(self) -> None:
-        self._switch(-1)
+        self.tabbed.switch(-1)
 
     def action_goto_tab(self, number: int) -> None:
-        tabs = self.tabs
-        if 1 <= number <= len(tabs):
-            self.tabbed.active = tabs[number - 1].id or ""
-
-    @on(TabbedContent.TabActivated)
-    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        self._focus_active_input()  # this message may be stale: focus the tab active now
+        self.tabbed.goto(number)
 
     async def action_fork(self) -> None:
         src = self.active_tab
@@ -392,30 +299,13 @@ class RoseChatApp(App[None]):
         if (tab := self.active_tab) is not None:
             await tab.cycle(step)
 
-    def _last_reply_text(self) -> str | None:
-        tab = self.active_tab
-        message = tab.last_assistant() if tab is not None else None
-        if message is None or not message.content.strip():
-            self.notify("No reply to copy yet.", timeout=3)
-            return None
-        return message.content
-
     def action_copy_reply(self) -> None:
-        """Copy the last reply (the alternative shown) through the terminal's clipboard (OSC 52)."""
-        if (text := self._last_reply_text()) is not None:
-            self.copy_to_clipboard(text)
-            self.notify(f"Copied the reply ({len(text):,} characters).", timeout=3)
+        if (tab := self.active_tab) is not None:
+            tab.copy_reply()
 
     def action_copy_code(self) -> None:
-        """Copy the last fenced code block of the last reply, without its fences."""
-        if (text := self._last_reply_text()) is None:
-            return
-        blocks = _CODE_FENCE.findall(text)
-        if not blocks:
-            self.notify("The last reply has no code block (ctrl+y copies all of it).", timeout=3)
-            return
-        self.copy_to_clipboard(blocks[-1])
-        self.notify(f"Copied the code block ({blocks[-1].count(chr(10)) + 1} lines).", timeout=3)
+        if (tab := self.active_tab) is not None:
+            tab.copy_code()
 
     # ------------------------------------------------------------------ panel, dialogs, history
     def action_toggle_kv(self) -> None:
@@ -475,7 +365,7 @@ class RoseChatApp(App[None]):
         """Open a saved conversation in a tab (or switch to it). Its KV is computed on the next turn."""
         for tab in self.tabs:
             if tab.history_id == history_id:
-                self.tabbed.active = tab.id or ""
+                self.tabbed.activate(tab)
                 return tab
         conv = self.saver.call(self.history.load, history_id)
         if conv is None:

@@ -6,6 +6,7 @@ tab; the tab's queue keeps them in order: started, text, waiting, then finished 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ from textual.message import Message
 
 if TYPE_CHECKING:
     from engine.events import EngineError, Finished, TurnStarted
+    from rosechat.bridge import Batch
     from rosechat.widgets.chat import ChatMessage, MessageView
 
 
@@ -66,3 +68,25 @@ class ReplyFailed(ReplyEvent, bubble=False):
         assert error.request_id is not None
         super().__init__(error.request_id)
         self.error = error
+
+
+def reply_messages(batch: Batch) -> Iterator[tuple[str, ReplyEvent]]:
+    """A drained batch as (request id, message), in the order a tab must apply them: a request's
+    start, then its text (all alternatives in one message), waiting, and its end. Engine errors
+    that belong to no request are left to the caller."""
+    from engine import Finished
+
+    for start in batch.starts:
+        yield start.request_id, ReplyStarted(start)
+    texts: dict[str, list[tuple[int, str]]] = {}
+    for (rid, index), text in batch.deltas.items():
+        texts.setdefault(rid, []).append((index, text))
+    for rid, deltas in texts.items():
+        yield rid, ReplyText(rid, deltas)
+    for rid, waiting in batch.preempted.items():
+        yield rid, ReplyWaiting(rid, waiting)
+    for end in batch.ends:
+        if isinstance(end, Finished):
+            yield end.request_id, ReplyFinished(end)
+        elif end.request_id is not None:
+            yield end.request_id, ReplyFailed(end)

@@ -7,6 +7,7 @@ reply's state lives in one ``ActiveReply``, set when a reply starts and cleared 
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from textual import events, on
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from rosechat.saver import Saver
 
 NEW_CHAT = "New chat"
+_CODE_FENCE = re.compile(r"^[ \t]*(?:```|~~~)[^\n]*\n(.*?)\n?[ \t]*(?:```|~~~)[ \t]*$", re.DOTALL | re.MULTILINE)
 GENERATING = "generating… (escape stops)"
 
 
@@ -319,6 +321,29 @@ class ChatTab(TabPane):
             message.content = view.text
             if message.history_id is not None:
                 self.saver.save_reply(self, message, view.stats[view.shown])
+
+    def _last_reply_text(self) -> str | None:
+        message = self.last_assistant()
+        if message is None or not message.content.strip():
+            self.notify("No reply to copy yet.", timeout=3)
+            return None
+        return message.content
+
+    def copy_reply(self) -> None:
+        """Copy the last reply (the alternative shown) through the terminal's clipboard (OSC 52)."""
+        if (text := self._last_reply_text()) is not None:
+            self.app.copy_to_clipboard(text)
+            self.notify(f"Copied the reply ({len(text):,} characters).", timeout=3)
+
+    def copy_code(self) -> None:
+        """Copy the last fenced code block of the last reply, without its fences."""
+        if (text := self._last_reply_text()) is None:
+            return
+        if not (blocks := _CODE_FENCE.findall(text)):
+            self.notify("The last reply has no code block (ctrl+y copies all of it).", timeout=3)
+            return
+        self.app.copy_to_clipboard(blocks[-1])
+        self.notify(f"Copied the code block ({blocks[-1].count(chr(10)) + 1} lines).", timeout=3)
 
     async def mark_context(self, dropped: int, context_len: int) -> None:
         """Show where what the model sees begins, once the oldest messages no longer fit."""
