@@ -774,3 +774,34 @@ async def test_tab_switches_in_a_burst_end_on_the_last_one(tmp_path: Path) -> No
         tabs[0].input.focus()  # a stale request for a tab the user left
         await pilot.pause()
         assert app.active_tab is tabs[2]
+
+
+async def test_rename_a_tab_from_the_palette(tmp_path: Path) -> None:
+    """The palette's rename and the conversation list's are one flow: the title is saved when the
+    conversation is, and every open tab showing it relabels itself (a reactive title)."""
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        unsaved = app.active_tab
+        app.action_rename()
+        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        app.screen.query_one("Input").value = "Scratch"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: unsaved.chat_title == "Scratch", "the new title")
+        await wait_for(pilot, lambda: "Scratch" in app.tabbed.get_tab(unsaved).label.plain, "the label")
+        assert app.history.list_conversations() == []  # nothing saved yet, nothing renamed there
+
+        await send(pilot, "hello")
+        await wait_for(pilot, lambda: replied(unsaved), "the reply")
+        assert app.history.load(unsaved.history_id).title == "Scratch"  # a renamed tab keeps its title
+        app.action_rename()
+        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        app.screen.query_one("Input").value = "Kept"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "Kept" in app.tabbed.get_tab(unsaved).label.plain, "the label")
+        assert app.history.load(unsaved.history_id).title == "Kept"
+        app.action_rename()
+        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        await pilot.press("escape")  # cancelled: nothing changes
+        await wait_for(pilot, lambda: not isinstance(app.screen, TextPromptScreen), "the prompt to close")
+        assert unsaved.chat_title == "Kept" and app.history.load(unsaved.history_id).title == "Kept"

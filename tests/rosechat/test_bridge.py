@@ -1,4 +1,4 @@
-"""EventBuffer: the engine thread pushes, the UI drains one coalesced batch."""
+"""EventBuffer: the engine thread pushes, the UI drains one coalesced batch; the engine API boundary."""
 
 from __future__ import annotations
 
@@ -50,3 +50,33 @@ def test_concurrent_pushes_lose_nothing() -> None:
         drained.append(buf.drain().deltas.get(("r", 0), ""))
     t.join()
     assert "".join(drained) == "".join(str(i % 10) for i in range(5000))
+
+
+def test_rosechat_uses_only_the_public_engine_api() -> None:
+    """rosechat reaches the engine through ``engine/__init__.py`` (and the event types of
+    ``engine.events``) and touches no private attribute of anything but itself."""
+    import ast
+    from pathlib import Path
+
+    import engine
+    import rosechat
+
+    root = Path(rosechat.__file__).parent
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        if "bench" in path.relative_to(root).parts:  # measured through engine internals until issue 12 step 7
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "engine":
+                if node.module == "engine":
+                    problems += [f"{where}: {a.name}" for a in node.names if a.name not in engine.__all__]
+                elif node.module != "engine.events":
+                    problems.append(f"{where}: from {node.module}")
+            elif isinstance(node, ast.Import):
+                problems += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("engine.")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = ast.unparse(node.value)
+                if owner not in ("self", "cls", "os"):
+                    problems.append(f"{where}: {owner}.{node.attr}")
+    assert not problems, problems
