@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from markdown_it import MarkdownIt
@@ -103,6 +104,9 @@ class MessageView(Vertical):
         self.shown = 0
         self.stats: list[ReplyStats] = []  # per alternative, once finished
         self._stream: MarkdownStream | None = None
+        # The tab streams text in while the app may switch the alternative shown (two tasks):
+        # each change of what is shown runs whole.
+        self._lock = asyncio.Lock()
 
     def compose(self) -> ComposeResult:
         yield Static(ROLE_LABELS.get(self.role, self.role), classes="role")
@@ -122,38 +126,42 @@ class MessageView(Vertical):
 
     async def reset(self, n: int) -> None:
         """Start over for a regenerated reply with ``n`` alternatives."""
-        await self.stop_stream()
-        self.texts, self.shown = [""] * n, 0
-        await self.markdown.update("")
-        self.set_footer("")
+        async with self._lock:
+            await self._stop_stream()
+            self.texts, self.shown = [""] * n, 0
+            await self.markdown.update("")
+            self.set_footer("")
 
     async def add_delta(self, index: int, text: str) -> None:
-        while index >= len(self.texts):
-            self.texts.append("")
-        self.texts[index] += text
-        if index == self.shown:
-            if self._stream is None:
-                self._stream = Markdown.get_stream(self.markdown)
-            await self._stream.write(text)
+        async with self._lock:
+            while index >= len(self.texts):
+                self.texts.append("")
+            self.texts[index] += text
+            if index == self.shown:
+                if self._stream is None:
+                    self._stream = Markdown.get_stream(self.markdown)
+                await self._stream.write(text)
 
-    async def stop_stream(self) -> None:
+    async def _stop_stream(self) -> None:
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.stop()
 
     async def set_texts(self, texts: tuple[str, ...] | list[str]) -> None:
         """The final texts (from Finished): authoritative, in case a delta was lost or partial."""
-        await self.stop_stream()
-        changed = list(texts) != self.texts
-        self.texts = list(texts) or [""]
-        self.shown = min(self.shown, len(self.texts) - 1)
-        if changed:
-            await self.markdown.update(self.text)
+        async with self._lock:
+            await self._stop_stream()
+            changed = list(texts) != self.texts
+            self.texts = list(texts) or [""]
+            self.shown = min(self.shown, len(self.texts) - 1)
+            if changed:
+                await self.markdown.update(self.text)
 
     async def show_alternative(self, index: int) -> None:
-        await self.stop_stream()
-        self.shown = index % len(self.texts)
-        await self.markdown.update(self.text)
+        async with self._lock:
+            await self._stop_stream()
+            self.shown = index % len(self.texts)
+            await self.markdown.update(self.text)
 
     def show_stats(self) -> None:
         """The footer from the shown alternative's own figures (and which alternative it is)."""

@@ -307,17 +307,19 @@ class ChatTab(TabPane):
 
     async def cycle(self, step: int) -> None:
         """Show another alternative; once finished, it is the one the conversation continues with."""
-        message = None if self._reply is not None else self.last_assistant()
-        view = self._reply.view if self._reply is not None else (message.view if message else None)
+        last = self.last_assistant()
+        view = self._reply.view if self._reply is not None else (last.view if last else None)
         if view is None or len(view.texts) < 2:
             self.notify("No alternatives here: ctrl+r samples some.", timeout=3)
             return
         await view.show_alternative(view.shown + step)
+        # The reply may have finished meanwhile (in this tab's queue): its message takes the text shown.
+        message = self.last_assistant() if self._reply is None else None
         if view.stats:
             view.show_stats()
         else:
             view.set_footer(f"generating… alternative {view.shown + 1}/{len(view.texts)}")
-        if message is not None:
+        if message is not None and message.view is view:
             message.content = view.text
             if message.history_id is not None:
                 self.saver.save_reply(self, message, view.stats[view.shown])
