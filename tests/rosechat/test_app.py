@@ -805,3 +805,26 @@ async def test_rename_a_tab_from_the_palette(tmp_path: Path) -> None:
         await pilot.press("escape")  # cancelled: nothing changes
         await wait_for(pilot, lambda: not isinstance(app.screen, TextPromptScreen), "the prompt to close")
         assert unsaved.chat_title == "Kept" and app.history.load(unsaved.history_id).title == "Kept"
+
+
+async def test_an_alternative_chosen_while_they_stream_is_the_one_kept(tmp_path: Path, long_replies) -> None:
+    app = make_app(tmp_path, **{"sampling.max_tokens": 2000, "cache.num_blocks": 600})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = await send(pilot, "hello")
+        await wait_for(pilot, lambda: tab.generating, "the reply to start")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: replied(tab), "the first reply")
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: tab.reply is not None and all(tab.reply.texts[:3]), "three alternatives")
+        view = tab.reply
+        await pilot.press("alt+right")
+        assert view.shown == 1 and tab.generating
+        assert _footer(view) == "generating… alternative 2/3"
+        await wait_for(pilot, lambda: view.markdown.source.startswith(view.texts[1][:10]), "the second shown")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: replied(tab), "the alternatives to stop")
+        assert view.shown == 1 and tab.messages[-1].view is view and len(tab.messages) == 2
+        assert tab.messages[-1].content == view.texts[1] == tab.last_finished.texts[1]
+        assert app.history.load(tab.history_id).messages[-1].content == view.texts[1]
+        assert "alternative 2/3" in _footer(view)
