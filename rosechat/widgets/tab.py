@@ -43,12 +43,13 @@ class ChatTab(TabPane):
 
     chat_title: reactive[str] = reactive(NEW_CHAT, init=False)
     generating: reactive[bool] = reactive(False, init=False)
+    system_prompt: reactive[str] = reactive("", init=False)
 
     def __init__(self, title: str, *, color: str, system_prompt: str, saver: Saver, id: str | None = None) -> None:
         super().__init__(self._label(color, title), id=id)
         self.set_reactive(ChatTab.chat_title, title)
         self.color = color
-        self.system_prompt = system_prompt
+        self.set_reactive(ChatTab.system_prompt, system_prompt)
         self.saver = saver
         self.messages: list[ChatMessage] = []
         self.backend: Backend | None = None
@@ -65,7 +66,7 @@ class ChatTab(TabPane):
         yield ChatInput(classes="chat-input")
 
     def on_mount(self) -> None:
-        self.update_system_line()
+        self.watch_system_prompt(self.system_prompt)  # its line, drawn once composed
         # Follow the bottom while replies stream, until the user scrolls up (Textual's anchor).
         self.log_view.anchor()
 
@@ -130,15 +131,15 @@ class ChatTab(TabPane):
         out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return out + [{"role": m.role, "content": m.content} for m in self.messages if m.in_context]
 
-    def update_system_line(self) -> None:
+    def watch_system_prompt(self, prompt: str) -> None:
         line = self.query_one(".system-line", Static)
-        line.update(f"System: {self.system_prompt}" if self.system_prompt else "No system prompt (f3 sets one)")
+        line.update(f"System: {prompt}" if prompt else "No system prompt (f3 sets one)")
 
     def set_system_prompt(self, prompt: str) -> None:
+        """A new system prompt from the user: shown (a reactive), saved, applied from the next reply."""
         if prompt == self.system_prompt:
             return
         self.system_prompt = prompt
-        self.update_system_line()
         if self.history_id is not None:
             self.saver.call(self.saver.history.set_system_prompt, self.history_id, prompt)
         self.notify("System prompt updated; it applies from the next reply.")

@@ -355,6 +355,7 @@ async def test_system_prompt_is_editable_per_conversation(tmp_path: Path) -> Non
         await pilot.press("ctrl+n")
         second = app.active_tab
         assert second.system_prompt == app.config.chat.system_prompt  # default from config
+        assert f"System: {app.config.chat.system_prompt}" == str(first.query_one(".system-line").render())
 
         await pilot.press("f3")
         await wait_for(pilot, lambda: isinstance(app.screen, SystemPromptScreen), "the editor")
