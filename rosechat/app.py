@@ -194,22 +194,15 @@ class RoseChatApp(App[None]):
             self.post_message(self.EngineEvents())
 
     async def on_rose_chat_app_engine_events(self, _: EngineEvents) -> None:
-        from engine import Finished
-
         self._drain_posted = False
         batch = self.events.drain()
         for rid, message in reply_messages(batch):
-            if isinstance(message, (ReplyFinished, ReplyFailed)):  # its last: the route ends with it
-                tab = self.requests.pop(rid, None)
-            else:
-                tab = self.requests.get(rid)
-            if tab is not None:
-                tab.post_message(message)  # a tab that has gone drops it
-            elif isinstance(message, ReplyFailed):  # its tab has gone: say it here
+            end = isinstance(message, (ReplyFinished, ReplyFailed))  # its last: the route ends with it
+            tab = self.requests.pop(rid, None) if end else self.requests.get(rid)
+            if (tab is None or not tab.post_message(message)) and isinstance(message, ReplyFailed):
                 self.notify(message.error.message, title="Engine error", severity="error", timeout=10)
-        for error in batch.ends:
-            if not isinstance(error, Finished) and error.request_id is None:  # the engine's, no request's
-                self.notify(error.message, title="Engine error", severity="error", timeout=10)
+        for error in batch.engine_errors:  # no request's: the engine's own
+            self.notify(error.message, title="Engine error", severity="error", timeout=10)
         if batch.snapshot is not None:
             self.last_snapshot = batch.snapshot
             for panel in self.query(KVPanel):  # none once the app is closing: a late snapshot is dropped

@@ -34,6 +34,25 @@ def test_drain_coalesces_deltas_and_keeps_the_latest_snapshot() -> None:
     assert not buf.pending and not buf.drain()
 
 
+def test_batch_routes_each_request_in_order_and_keeps_engine_errors_apart() -> None:
+    from engine.events import TurnStarted
+    from rosechat.widgets.reply import ReplyFailed, ReplyFinished, ReplyStarted, ReplyText, reply_messages
+
+    buf = EventBuffer()
+    start = TurnStarted("r1", "c1", prompt_tokens=10, dropped_messages=0, max_tokens=12,
+                        max_tokens_clamped=False, context_len=256)
+    fin = Finished("r1", "c1", ("ab", "c"), ("stop", "stop"), Usage(3, 3, 2), 0.1, 0.2, 10.0)
+    for event in (start, TokenDelta("r1", "c1", 0, "a"), TokenDelta("r1", "c1", 1, "c"),
+                  TokenDelta("r1", "c1", 0, "b"), fin, EngineError("r2", "c2", "bad"), EngineError(None, None, "oom")):
+        buf.push(event)
+    batch = buf.drain()
+    routed = list(reply_messages(batch))
+    assert [(rid, type(m)) for rid, m in routed] == [
+        ("r1", ReplyStarted), ("r1", ReplyText), ("r1", ReplyFinished), ("r2", ReplyFailed)]
+    assert routed[1][1].deltas == [(0, "ab"), (1, "c")]  # one message per frame, every alternative
+    assert [e.message for e in batch.engine_errors] == ["oom"]
+
+
 def test_concurrent_pushes_lose_nothing() -> None:
     buf = EventBuffer()
     drained: list[str] = []
