@@ -99,3 +99,17 @@ def test_rosechat_uses_only_the_public_engine_api() -> None:
                 if owner not in ("self", "cls", "os"):
                     problems.append(f"{where}: {owner}.{node.attr}")
     assert not problems, problems
+
+
+def test_the_engine_thread_is_a_backend() -> None:
+    """The app's tabs talk to ``Backend``; the in-process engine thread must stay one."""
+    import inspect
+
+    from engine import EngineThread
+    from rosechat.backend import Backend
+
+    for name, method in vars(Backend).items():
+        if callable(method) and not name.startswith("_"):
+            ours = list(inspect.signature(method).parameters)
+            theirs = list(inspect.signature(getattr(EngineThread, name)).parameters)
+            assert ours == theirs, (name, theirs)
