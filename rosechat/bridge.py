@@ -25,6 +25,11 @@ class Batch:
     ends: list[Finished | EngineError] = field(default_factory=list)
     snapshot: CacheSnapshot | None = None
 
+    @property
+    def engine_errors(self) -> list[EngineError]:
+        """Errors of no request (the engine's own)."""
+        return [e for e in self.ends if isinstance(e, EngineError) and e.request_id is None]
+
     def __bool__(self) -> bool:
         return bool(self.starts or self.deltas or self.preempted or self.ends or self.snapshot is not None)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -109,15 +109,6 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(event.button.id == "yes")
 
 
-class ConversationRenamed(Message):
-    """A saved conversation got a new title (an open tab showing it relabels itself)."""
-
-    def __init__(self, history_id: str, title: str) -> None:
-        super().__init__()
-        self.history_id = history_id
-        self.title = title
-
-
 class ConversationDeleted(Message):
     """A saved conversation was deleted (an open tab showing it starts a new saved one)."""
 
@@ -141,10 +132,16 @@ class ConversationsScreen(ModalScreen[str | None]):
         Binding("e", "export", "Export .md"),
     ]
 
-    def __init__(self, history: HistoryStore, export_dir_fn: Callable[[], Path]) -> None:
+    def __init__(
+        self,
+        history: HistoryStore,
+        export_dir_fn: Callable[[], Path],
+        rename: Callable[[str, str | None], Awaitable[str | None]],
+    ) -> None:
         super().__init__()
         self.history = history
         self.export_dir_fn = export_dir_fn  # called at export time: the directory to write into
+        self.rename = rename  # the app's one rename flow (title, history id): asks, saves, retitles tabs
         self.summaries: list[ConversationSummary] = []
         self.last_export: Path | None = None
 
@@ -191,32 +188,19 @@ class ConversationsScreen(ModalScreen[str | None]):
         event.stop()
         self.action_open()
 
-    def action_rename(self) -> None:
+    @work(group="dialog")
+    async def action_rename(self) -> None:
+        if (conv := self.selected) is not None and await self.rename(conv.title, conv.id):
+            self.reload()
+
+    @work(group="dialog")
+    async def action_delete(self) -> None:
         conv = self.selected
-        if conv is None:
-            return
-
-        def done(title: str | None) -> None:
-            if title:
-                self.history.rename(conv.id, title)
-                self.app.post_message(ConversationRenamed(conv.id, title))
-                self.reload()
-
-        self.app.push_screen(TextPromptScreen("New title", conv.title), done)
-
-    def action_delete(self) -> None:
-        conv = self.selected
-        if conv is None:
-            return
-
-        def done(yes: bool | None) -> None:
-            if yes:
-                self.history.delete(conv.id)
-                self.app.post_message(ConversationDeleted(conv.id))
-                self.notify(f"Deleted {conv.title!r}")
-                self.reload()
-
-        self.app.push_screen(ConfirmScreen(f"Delete {conv.title!r}?"), done)
+        if conv is not None and await self.app.push_screen_wait(ConfirmScreen(f"Delete {conv.title!r}?")):
+            self.history.delete(conv.id)
+            self.app.post_message(ConversationDeleted(conv.id))
+            self.notify(f"Deleted {conv.title!r}")
+            self.reload()
 
     def action_export(self) -> None:
         conv = self.selected

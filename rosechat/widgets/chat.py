@@ -1,23 +1,19 @@
-"""A chat tab: the message log (Markdown, streamed) and the input box."""
+"""The pieces of a chat tab: the message box, one message (Markdown, streamed) and its figures."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from markdown_it import MarkdownIt
 from markdown_it.rules_core import StateCore
 from rich.text import Text
-from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import Markdown, Static, TabPane, TextArea
+from textual.widgets import Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
-
-if TYPE_CHECKING:
-    from engine.events import Finished, TurnStarted
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 
@@ -108,6 +104,9 @@ class MessageView(Vertical):
         self.shown = 0
         self.stats: list[ReplyStats] = []  # per alternative, once finished
         self._stream: MarkdownStream | None = None
+        # The tab streams text in while the app may switch the alternative shown (two tasks):
+        # each change of what is shown runs whole.
+        self._lock = asyncio.Lock()
 
     def compose(self) -> ComposeResult:
         yield Static(ROLE_LABELS.get(self.role, self.role), classes="role")
@@ -127,38 +126,49 @@ class MessageView(Vertical):
 
     async def reset(self, n: int) -> None:
         """Start over for a regenerated reply with ``n`` alternatives."""
-        await self.stop_stream()
-        self.texts, self.shown = [""] * n, 0
-        await self.markdown.update("")
-        self.set_footer("")
+        async with self._lock:
+            await self._stop_stream()
+            self.texts, self.shown = [""] * n, 0
+            await self.markdown.update("")
+            self.set_footer("")
 
     async def add_delta(self, index: int, text: str) -> None:
-        while index >= len(self.texts):
-            self.texts.append("")
-        self.texts[index] += text
-        if index == self.shown:
-            if self._stream is None:
-                self._stream = Markdown.get_stream(self.markdown)
-            await self._stream.write(text)
+        async with self._lock:
+            while index >= len(self.texts):
+                self.texts.append("")
+            self.texts[index] += text
+            if index == self.shown:
+                if self._stream is None:
+                    self._stream = Markdown.get_stream(self.markdown)
+                await self._stream.write(text)
 
-    async def stop_stream(self) -> None:
+    async def _stop_stream(self) -> None:
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.stop()
 
     async def set_texts(self, texts: tuple[str, ...] | list[str]) -> None:
         """The final texts (from Finished): authoritative, in case a delta was lost or partial."""
-        await self.stop_stream()
-        changed = list(texts) != self.texts
-        self.texts = list(texts) or [""]
-        self.shown = min(self.shown, len(self.texts) - 1)
-        if changed:
-            await self.markdown.update(self.text)
+        async with self._lock:
+            await self._stop_stream()
+            changed = list(texts) != self.texts
+            self.texts = list(texts) or [""]
+            self.shown = min(self.shown, len(self.texts) - 1)
+            if changed:
+                await self.markdown.update(self.text)
 
     async def show_alternative(self, index: int) -> None:
-        await self.stop_stream()
-        self.shown = index % len(self.texts)
-        await self.markdown.update(self.text)
+        async with self._lock:
+            await self._stop_stream()
+            self.shown = index % len(self.texts)
+            await self.markdown.update(self.text)
+
+    def show_stats(self) -> None:
+        """The footer from the shown alternative's own figures (and which alternative it is)."""
+        line = self.stats[self.shown].line() if self.shown < len(self.stats) else ""
+        if len(self.texts) > 1:
+            line += f" · alternative {self.shown + 1}/{len(self.texts)} (alt+←/→)"
+        self.set_footer(line)
 
     def set_footer(self, text: str) -> None:
         footer = self.query_one(".reply-footer", Static)
@@ -173,82 +183,3 @@ class ChatMessage:
     history_id: int | None = None  # row in the history store, once saved
     view: MessageView | None = field(default=None, repr=False)
     in_context: bool = True  # False: refused as longer than the context, never sent again
-
-
-class ChatTab(TabPane):
-    """One conversation. Holds its state; the app talks to the engine and the history store."""
-
-    def __init__(self, title: str, *, color: str, system_prompt: str, id: str | None = None) -> None:
-        super().__init__(title, id=id)
-        self.chat_title = title
-        self.color = color
-        self.system_prompt = system_prompt
-        self.messages: list[ChatMessage] = []
-        self.engine_cid: str | None = None  # the engine's conversation id, once the engine runs
-        self.history_id: str | None = None  # the saved conversation, once it has a message
-        self.request_id: str | None = None  # the reply being generated
-        self.reply: MessageView | None = None  # its view
-        self.reply_replaces: ChatMessage | None = None  # set when regenerating: the reply it replaces
-        self.last_finished: Finished | None = None  # the last completed reply's event
-        self.turn: TurnStarted | None = None  # the current (or last) turn: its context fit
-
-    def on_descendant_focus(self, event: events.DescendantFocus) -> None:
-        # The app picks the active tab and focus follows it, never the reverse: TabPane's default
-        # (activate the pane that got focus) let a late focus request switch the user back.
-        event.prevent_default()
-
-    def compose(self) -> ComposeResult:
-        with VerticalScroll(classes="chat-log"):
-            yield Static("", classes="system-line")
-        yield ChatInput(classes="chat-input")
-
-    def update_system_line(self) -> None:
-        line = self.query_one(".system-line", Static)
-        line.update(f"System: {self.system_prompt}" if self.system_prompt else "No system prompt (f3 sets one)")
-
-    def on_mount(self) -> None:
-        # Follow the bottom while replies stream, until the user scrolls up (Textual's anchor).
-        self.log_view.anchor()
-
-    @property
-    def log_view(self) -> VerticalScroll:
-        return self.query_one(".chat-log", VerticalScroll)
-
-    @property
-    def input(self) -> ChatInput:
-        return self.query_one(ChatInput)
-
-    @property
-    def generating(self) -> bool:
-        return self.request_id is not None
-
-    def chat_messages(self) -> list[dict[str, str]]:
-        """The conversation as the engine takes it."""
-        out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return out + [{"role": m.role, "content": m.content} for m in self.messages if m.in_context]
-
-    async def mark_context(self, dropped: int, context_len: int) -> None:
-        """Show where what the model sees begins, once the oldest messages no longer fit."""
-        kept = [m for m in self.messages if m.in_context]
-        markers = self.query(".context-marker")
-        if not dropped or dropped >= len(kept) or kept[dropped].view is None:
-            await markers.remove()
-            return
-        text = (f"⋯ the {dropped} message{'s' if dropped > 1 else ''} above "
-                f"{'are' if dropped > 1 else 'is'} left out of what the model sees: "
-                f"the context holds {context_len} tokens")
-        if markers:
-            marker = markers.first(Static)
-            marker.update(text)
-            self.log_view.move_child(marker, before=kept[dropped].view)
-        else:
-            await self.log_view.mount(Static(text, classes="context-marker"), before=kept[dropped].view)
-
-    async def add_message(self, message: ChatMessage, *, n: int = 1) -> MessageView:
-        view = MessageView(message.role, message.content, n=n)
-        message.view = view
-        await self.log_view.mount(view)
-        return view
-
-    def last_assistant(self) -> ChatMessage | None:
-        return self.messages[-1] if self.messages and self.messages[-1].role == "assistant" else None

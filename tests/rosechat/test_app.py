@@ -17,8 +17,8 @@ from rosechat.app import RoseChatApp
 from rosechat.config import load_config
 from rosechat.history import HistoryStore
 from rosechat.screens import ConfirmScreen, ConversationsScreen, SystemPromptScreen, TextPromptScreen
-from rosechat.widgets.chat import ChatTab
 from rosechat.widgets.kv_panel import BlockMap, KVPanel, stats_text
+from rosechat.widgets.tab import ChatTab
 
 SIZE = (110, 40)
 
@@ -355,6 +355,7 @@ async def test_system_prompt_is_editable_per_conversation(tmp_path: Path) -> Non
         await pilot.press("ctrl+n")
         second = app.active_tab
         assert second.system_prompt == app.config.chat.system_prompt  # default from config
+        assert f"System: {app.config.chat.system_prompt}" == str(first.query_one(".system-line").render())
 
         await pilot.press("f3")
         await wait_for(pilot, lambda: isinstance(app.screen, SystemPromptScreen), "the editor")
@@ -774,3 +775,57 @@ async def test_tab_switches_in_a_burst_end_on_the_last_one(tmp_path: Path) -> No
         tabs[0].input.focus()  # a stale request for a tab the user left
         await pilot.pause()
         assert app.active_tab is tabs[2]
+
+
+async def test_rename_a_tab_from_the_palette(tmp_path: Path) -> None:
+    """The palette's rename and the conversation list's are one flow: the title is saved when the
+    conversation is, and every open tab showing it relabels itself (a reactive title)."""
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        unsaved = app.active_tab
+        app.action_rename()
+        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        app.screen.query_one("Input").value = "Scratch"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: unsaved.chat_title == "Scratch", "the new title")
+        await wait_for(pilot, lambda: "Scratch" in app.tabbed.get_tab(unsaved).label.plain, "the label")
+        assert app.history.list_conversations() == []  # nothing saved yet, nothing renamed there
+
+        await send(pilot, "hello")
+        await wait_for(pilot, lambda: replied(unsaved), "the reply")
+        assert app.history.load(unsaved.history_id).title == "Scratch"  # a renamed tab keeps its title
+        app.action_rename()
+        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        app.screen.query_one("Input").value = "Kept"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "Kept" in app.tabbed.get_tab(unsaved).label.plain, "the label")
+        assert app.history.load(unsaved.history_id).title == "Kept"
+        app.action_rename()
+        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        await pilot.press("escape")  # cancelled: nothing changes
+        await wait_for(pilot, lambda: not isinstance(app.screen, TextPromptScreen), "the prompt to close")
+        assert unsaved.chat_title == "Kept" and app.history.load(unsaved.history_id).title == "Kept"
+
+
+async def test_an_alternative_chosen_while_they_stream_is_the_one_kept(tmp_path: Path, long_replies) -> None:
+    app = make_app(tmp_path, **{"sampling.max_tokens": 2000, "cache.num_blocks": 600})
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = await send(pilot, "hello")
+        await wait_for(pilot, lambda: tab.generating, "the reply to start")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: replied(tab), "the first reply")
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: tab.reply is not None and all(tab.reply.texts[:3]), "three alternatives")
+        view = tab.reply
+        await pilot.press("alt+right")
+        assert view.shown == 1 and tab.generating
+        assert _footer(view) == "generating… alternative 2/3"
+        await wait_for(pilot, lambda: view.markdown.source.startswith(view.texts[1][:10]), "the second shown")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: replied(tab), "the alternatives to stop")
+        assert view.shown == 1 and tab.messages[-1].view is view and len(tab.messages) == 2
+        assert tab.messages[-1].content == view.texts[1] == tab.last_finished.texts[1]
+        assert app.history.load(tab.history_id).messages[-1].content == view.texts[1]
+        assert "alternative 2/3" in _footer(view)

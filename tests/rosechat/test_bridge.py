@@ -1,4 +1,4 @@
-"""EventBuffer: the engine thread pushes, the UI drains one coalesced batch."""
+"""EventBuffer: the engine thread pushes, the UI drains one coalesced batch; the engine API boundary."""
 
 from __future__ import annotations
 
@@ -34,6 +34,25 @@ def test_drain_coalesces_deltas_and_keeps_the_latest_snapshot() -> None:
     assert not buf.pending and not buf.drain()
 
 
+def test_batch_routes_each_request_in_order_and_keeps_engine_errors_apart() -> None:
+    from engine.events import TurnStarted
+    from rosechat.widgets.reply import ReplyFailed, ReplyFinished, ReplyStarted, ReplyText, reply_messages
+
+    buf = EventBuffer()
+    start = TurnStarted("r1", "c1", prompt_tokens=10, dropped_messages=0, max_tokens=12,
+                        max_tokens_clamped=False, context_len=256)
+    fin = Finished("r1", "c1", ("ab", "c"), ("stop", "stop"), Usage(3, 3, 2), 0.1, 0.2, 10.0)
+    for event in (start, TokenDelta("r1", "c1", 0, "a"), TokenDelta("r1", "c1", 1, "c"),
+                  TokenDelta("r1", "c1", 0, "b"), fin, EngineError("r2", "c2", "bad"), EngineError(None, None, "oom")):
+        buf.push(event)
+    batch = buf.drain()
+    routed = list(reply_messages(batch))
+    assert [(rid, type(m)) for rid, m in routed] == [
+        ("r1", ReplyStarted), ("r1", ReplyText), ("r1", ReplyFinished), ("r2", ReplyFailed)]
+    assert routed[1][1].deltas == [(0, "ab"), (1, "c")]  # one message per frame, every alternative
+    assert [e.message for e in batch.engine_errors] == ["oom"]
+
+
 def test_concurrent_pushes_lose_nothing() -> None:
     buf = EventBuffer()
     drained: list[str] = []
@@ -50,3 +69,47 @@ def test_concurrent_pushes_lose_nothing() -> None:
         drained.append(buf.drain().deltas.get(("r", 0), ""))
     t.join()
     assert "".join(drained) == "".join(str(i % 10) for i in range(5000))
+
+
+def test_rosechat_uses_only_the_public_engine_api() -> None:
+    """rosechat reaches the engine through ``engine/__init__.py`` (and the event types of
+    ``engine.events``) and touches no private attribute of anything but itself."""
+    import ast
+    from pathlib import Path
+
+    import engine
+    import rosechat
+
+    root = Path(rosechat.__file__).parent
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        if "bench" in path.relative_to(root).parts:  # measured through engine internals until issue 12 step 7
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "engine":
+                if node.module == "engine":
+                    problems += [f"{where}: {a.name}" for a in node.names if a.name not in engine.__all__]
+                elif node.module != "engine.events":
+                    problems.append(f"{where}: from {node.module}")
+            elif isinstance(node, ast.Import):
+                problems += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("engine.")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = ast.unparse(node.value)
+                if owner not in ("self", "cls", "os"):
+                    problems.append(f"{where}: {owner}.{node.attr}")
+    assert not problems, problems
+
+
+def test_the_engine_thread_is_a_backend() -> None:
+    """The app's tabs talk to ``Backend``; the in-process engine thread must stay one."""
+    import inspect
+
+    from engine import EngineThread
+    from rosechat.backend import Backend
+
+    for name, method in vars(Backend).items():
+        if callable(method) and not name.startswith("_"):
+            ours = list(inspect.signature(method).parameters)
+            theirs = list(inspect.signature(getattr(EngineThread, name)).parameters)
+            assert ours == theirs, (name, theirs)

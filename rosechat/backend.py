@@ -1,0 +1,44 @@
+"""What the app talks to: a backend that runs conversations and reports events.
+
+The in-process ``EngineThread`` is one; a remote OpenAI-compatible client can be another. Tabs see
+only this interface, never which backend it is. Commands may be called from the UI thread and
+return at once; results come back as engine events (``TurnStarted``, ``TokenDelta``,
+``TurnPreempted``, ``Finished``, ``EngineError``, ``CacheSnapshot``) through the callback the
+backend was built with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine import LLMEngine, SamplingParams
+    from engine.events import Event
+
+
+class Backend(Protocol):
+    def new_conversation(self) -> str: ...
+
+    def fork_conversation(self, conversation_id: str) -> str: ...
+
+    def drop_conversation(self, conversation_id: str) -> None: ...
+
+    def submit_turn(self, conversation_id: str, messages: list[dict[str, str]], params: SamplingParams) -> str:
+        """Start a reply to ``messages`` (the whole conversation); returns its request id."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def request_snapshot(self) -> None: ...
+
+    def shutdown(self, timeout: float = 5.0) -> None: ...
+
+
+def local_backend(llm: LLMEngine, on_event: Callable[[Event], None]) -> Backend:
+    """The engine in this process, on its own thread (started)."""
+    from engine import EngineThread
+
+    thread = EngineThread(llm, on_event)
+    thread.start()
+    return thread
