@@ -19,7 +19,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import Footer, Header
 
-from rosechat.backend import Backend, local_backend
+from rosechat.backend import Backend, local_backend, remote_backend
 from rosechat.bridge import EventBuffer
 from rosechat.commands import RoseChatCommands
 from rosechat.config import Config
@@ -105,7 +105,8 @@ class RoseChatApp(App[None]):
     # ------------------------------------------------------------------ layout and start-up
     def compose(self) -> ComposeResult:
         yield Header()
-        yield ModelLoader(self.config, self.model, self.model_notice, self._engine_factory, id="loading")
+        if not self.config.remote.url:
+            yield ModelLoader(self.config, self.model, self.model_notice, self._engine_factory, id="loading")
         yield ChatTabs(id="tabs")
         panel = KVPanel(id="kv")
         panel.display = self.config.ui.show_kv_panel
@@ -116,6 +117,9 @@ class RoseChatApp(App[None]):
         self.theme = self.config.ui.theme
         self.sub_title = f"loading {self._model_name()}…"
         await self.new_tab()
+        if r := self.config.remote.url:  # a server: nothing to load; a failure shows in the tab that meets it
+            self._backend_ready(remote_backend(self.config, self.events.push),
+                                f"remote · {self.config.remote.model or 'server default'} · {r}")
         if not self.is_headless:
             self._terminal.start()
 
@@ -126,6 +130,8 @@ class RoseChatApp(App[None]):
     def _model_name(self) -> str:
         if self.llm is not None:
             return self.llm.info.name
+        if self.config.remote.url:
+            return self.config.remote.model or self.config.remote.url
         return self.model.display_name if self.model is not None else self.config.model.name
 
     @property
@@ -153,16 +159,19 @@ class RoseChatApp(App[None]):
     @on(ModelLoader.Loaded)
     def _model_loaded(self, event: ModelLoader.Loaded) -> None:
         self.model, self.model_notice = event.model, event.notice
-        llm = self.llm = event.llm
-        self.engine = local_backend(llm, self.events.push)
-        info = llm.info
-        self.sub_title = " · ".join([info.name, info.device, info.dtype, info.backend])
+        self.llm = event.llm
+        info = self.llm.info
+        self._backend_ready(local_backend(self.llm, self.events.push),
+                            " · ".join([info.name, info.device, info.dtype, info.backend]))
+        if self.model_notice:
+            self.notify(self.model_notice, title="Model not found", severity="warning", timeout=15)
+
+    def _backend_ready(self, backend: Backend, sub_title: str) -> None:
+        self.engine, self.sub_title = backend, sub_title
         for tab in self.tabs:
             if tab.engine_cid is None:
                 tab.connect(self.engine)
         self.set_interval(1 / DRAIN_HZ, self._poll_events, name="engine-events")
-        if self.model_notice:
-            self.notify(self.model_notice, title="Model not found", severity="warning", timeout=15)
         if self.kv_panel.display:
             self.engine.request_snapshot()
 
@@ -181,11 +190,17 @@ class RoseChatApp(App[None]):
             self.notify("The model is still loading…", severity="warning")
         return False
 
+    def _can_start(self, tab: ChatTab) -> bool:
+        """A model runs and ``tab`` is not replying; if not, say so (the input keeps its text)."""
+        if self._check_ready() and tab.generating:
+            self.notify("This tab is still replying (escape stops it).", severity="warning")
+        return self.engine is not None and not tab.generating
+
     def _params(self, n: int) -> SamplingParams:
         from engine import SamplingParams
 
-        assert self.llm is not None
-        return SamplingParams(**self.config.sampling_kwargs(n, self.llm.info.generation_defaults))
+        model_defaults = self.llm.info.generation_defaults if self.llm is not None else {}  # a server: its own
+        return SamplingParams(**self.config.sampling_kwargs(n, model_defaults))
 
     # ------------------------------------------------------------------ engine events
     def _poll_events(self) -> None:
@@ -207,6 +222,9 @@ class RoseChatApp(App[None]):
             self.last_snapshot = batch.snapshot
             for panel in self.query(KVPanel):  # none once the app is closing: a late snapshot is dropped
                 panel.show(batch.snapshot, self.owner_styles())
+        if batch.server_stats is not None:
+            for panel in self.query(KVPanel):
+                panel.show_server(batch.server_stats)
 
     def owner_styles(self) -> dict[str, OwnerStyle]:
         return {t.engine_cid: OwnerStyle(t.chat_title, t.color) for t in self.tabs if t.engine_cid}
@@ -242,10 +260,7 @@ class RoseChatApp(App[None]):
 
     async def action_fork(self) -> None:
         src = self.active_tab
-        if src is None or not self._check_ready():
-            return
-        if src.generating:
-            self.notify("Wait for the reply to finish (or stop it with escape) before forking.")
+        if src is None or not self._can_start(src):
             return
         tab = await self.new_tab(f"{src.chat_title} (fork)", src.system_prompt, fork_of=src)
         await tab.copy_from(src)
@@ -260,10 +275,7 @@ class RoseChatApp(App[None]):
         if not text:  # only spaces and newlines: nothing to send, nothing worth keeping
             event.input.value = ""
             return
-        if not self._check_ready():
-            return
-        if tab.generating:
-            self.notify("This tab is still replying (escape stops it).", severity="warning")
+        if not self._can_start(tab):
             return
         event.input.value = ""
         await self.send(tab, text)
@@ -280,10 +292,7 @@ class RoseChatApp(App[None]):
 
     async def action_regenerate(self) -> None:
         tab = self.active_tab
-        if tab is None or not self._check_ready():
-            return
-        if tab.generating:
-            self.notify("This tab is still replying (escape stops it).", severity="warning")
+        if tab is None or not self._can_start(tab):
             return
         if (rid := await tab.regenerate(self._params(self.config.chat.alternatives))) is not None:
             self.requests[rid] = tab

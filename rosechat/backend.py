@@ -1,7 +1,8 @@
 """What the app talks to: a backend that runs conversations and reports events.
 
-The in-process ``EngineThread`` is one; a remote OpenAI-compatible client can be another. Tabs see
-only this interface, never which backend it is. Commands may be called from the UI thread and
+The in-process ``EngineThread`` is one; ``RemoteBackend``, a client of any OpenAI-compatible server,
+is the other (it also reports ``ServerStats``, a server's KV figures). Tabs see only this interface,
+never which backend it is. Commands may be called from the UI thread and
 return at once; results come back as engine events (``TurnStarted``, ``TokenDelta``,
 ``TurnPreempted``, ``Finished``, ``EngineError``, ``CacheSnapshot``) through the callback the
 backend was built with.
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine import LLMEngine, SamplingParams
     from engine.events import Event
+    from rosechat.config import Config
+    from rosechat.server_stats import ServerStats
 
 
 class Backend(Protocol):
@@ -42,3 +45,15 @@ def local_backend(llm: LLMEngine, on_event: Callable[[Event], None]) -> Backend:
     thread = EngineThread(llm, on_event)
     thread.start()
     return thread
+
+
+def remote_backend(config: Config, on_event: Callable[[Event | ServerStats], None]) -> Backend:
+    """An OpenAI-compatible server (config.remote), through the official client (started)."""
+    from rosechat.remote import RemoteBackend
+
+    r = config.remote
+    backend = RemoteBackend(r.url, on_event, api_key=config.remote_api_key(), model=r.model or None,
+                            timeout=r.timeout, connect_timeout=r.connect_timeout,
+                            send=config.sampling_sent_to_remote())
+    backend.start()
+    return backend

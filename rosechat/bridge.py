@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.events import CacheSnapshot, EngineError, Event, Finished, TokenDelta, TurnPreempted, TurnStarted
+from rosechat.server_stats import ServerStats
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Batch:
     preempted: dict[str, bool] = field(default_factory=dict)  # request id -> waiting for KV memory (latest)
     ends: list[Finished | EngineError] = field(default_factory=list)
     snapshot: CacheSnapshot | None = None
+    server_stats: ServerStats | None = None  # a remote server's KV figures (newest)
 
     @property
     def engine_errors(self) -> list[EngineError]:
@@ -31,7 +33,8 @@ class Batch:
         return [e for e in self.ends if isinstance(e, EngineError) and e.request_id is None]
 
     def __bool__(self) -> bool:
-        return bool(self.starts or self.deltas or self.preempted or self.ends or self.snapshot is not None)
+        return bool(self.starts or self.deltas or self.preempted or self.ends or self.snapshot is not None
+                    or self.server_stats is not None)
 
 
 class EventBuffer:
@@ -39,7 +42,7 @@ class EventBuffer:
         self._lock = threading.Lock()
         self._events: list[Event] = []
 
-    def push(self, event: Event) -> None:
+    def push(self, event: Event | ServerStats) -> None:
         """Engine thread: O(1), no allocation beyond the list slot."""
         with self._lock:
             self._events.append(event)
@@ -65,4 +68,6 @@ class EventBuffer:
                 batch.snapshot = event
             elif isinstance(event, (Finished, EngineError)):
                 batch.ends.append(event)
+            elif isinstance(event, ServerStats):
+                batch.server_stats = event
         return batch

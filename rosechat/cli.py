@@ -48,6 +48,8 @@ FLAG_KEYS = {
     "history": "history.path",
     "theme": "ui.theme",
     "kv_panel": "ui.show_kv_panel",
+    "remote": "remote.url",
+    "api_key": "remote.api_key",
 }
 
 
@@ -100,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rosechat {__version__}")
     p.add_argument("--print-config-path", action="store_true", help="print where the user config file goes")
     _options(p)
+    r = p.add_argument_group("remote server (instead of the in-process engine)")
+    r.add_argument("--remote", metavar="URL", help="an OpenAI-compatible server: vLLM, SGLang, llama.cpp, Ollama, "
+                   "rosechat serve (e.g. http://localhost:8000/v1); --model then names the served model")
+    r.add_argument("--api-key", metavar="KEY", help="the remote server's API key (or set $ROSECHAT_API_KEY)")
     commands = p.add_subparsers(dest="command", title="commands (without one, the app starts)", metavar="")
     info = commands.add_parser("info", help="the backend, the model and each effective sampling setting with "
                                "where it comes from", description="Show the backend, the model and each "
@@ -179,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         config = load_config(args.config, overrides_from(args))
+        if config.remote.url and args.model and args.command is None:  # --model names the served model
+            overrides = overrides_from(args)
+            overrides["remote.model"] = overrides.pop("model.name")
+            config = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"rosechat: config error: {e}", file=sys.stderr)
         return 2
@@ -191,14 +201,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from rosechat.model_choice import ModelChoiceError, choose_model
 
-    tty = sys.stderr.isatty()
-    if tty:  # the check reads the model file's header: say why the screen waits (erased after)
-        print(f"rosechat: opening {config.model.name}…", end="\r", file=sys.stderr, flush=True)
-    try:
-        model, notice = choose_model(config)
-    except ModelChoiceError as e:
-        print(f"{CLEAR_LINE if tty else ''}rosechat: {e}", file=sys.stderr)
-        return 2
+    model, notice, tty = None, None, sys.stderr.isatty()
+    if not config.remote.url:  # a remote server's model is the server's business
+        if tty:  # the check reads the model file's header: say why the screen waits (erased after)
+            print(f"rosechat: opening {config.model.name}…", end="\r", file=sys.stderr, flush=True)
+        try:
+            model, notice = choose_model(config)
+        except ModelChoiceError as e:
+            print(f"{CLEAR_LINE if tty else ''}rosechat: {e}", file=sys.stderr)
+            return 2
 
     from rosechat.history import HistoryError, HistoryStore
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import sys
 import typing
@@ -103,6 +104,15 @@ class UIConfig:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    url: str
+    api_key: str
+    model: str
+    connect_timeout: float = dataclasses.field(metadata={"min": 0, "min_exclusive": True})
+    timeout: float = dataclasses.field(metadata={"min": 0, "min_exclusive": True})
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig
     cache: CacheConfig
@@ -110,6 +120,7 @@ class Config:
     chat: ChatConfig
     history: HistoryConfig
     ui: UIConfig
+    remote: RemoteConfig
     sources: tuple[str, ...] = ()  # files that were read, lowest precedence first
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict)  # dotted key -> source that set it
 
@@ -158,6 +169,15 @@ class Config:
         if n > 1:  # alternatives are samples: greedy ones would all be the same reply
             values["temperature"] = max(values["temperature"], self.chat.alternatives_temperature)
         return {**values, "n": n}
+
+    def remote_api_key(self) -> str | None:
+        """remote.api_key, else $ROSECHAT_API_KEY (the variable `rosechat serve` reads too)."""
+        return self.remote.api_key or os.environ.get("ROSECHAT_API_KEY") or None
+
+    def sampling_sent_to_remote(self) -> set[str]:
+        """The sampling fields a remote server gets: those set in a user file, --config or a flag.
+        The rest stay the server's own (its model's generation config), as a user of it expects."""
+        return {f.name for f in dataclasses.fields(SamplingConfig) if not self.is_default(f"sampling.{f.name}")}
 
     def export_path(self) -> Path:
         """Where conversations are exported to Markdown: never the current directory (under

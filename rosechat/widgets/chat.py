@@ -71,7 +71,8 @@ def _hard_breaks(state: StateCore) -> None:
                 child.type = "hardbreak"
 
 
-_REASONS = {"length": "max tokens reached", "context": "context full", "abort": "stopped", "stopped": "stopped"}
+_REASONS = {"length": "max tokens reached", "context": "context full", "abort": "stopped", "stopped": "stopped",
+            "error": "cut short by an error"}
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class ReplyStats:
     tokens: int | None = None
     ttft_s: float | None = None
     tokens_per_s: float | None = None
-    finish_reason: str | None = None  # "stop", "length", "context" (the context's limit), "stopped"
+    finish_reason: str | None = None  # "stop", "length", "context" (the context's limit), "stopped", "error"
 
     def line(self) -> str:
         parts = [] if self.tokens is None else [f"{self.tokens} tokens"]

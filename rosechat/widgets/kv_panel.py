@@ -22,6 +22,8 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from engine.events import CACHED, USED, CacheSnapshot
+from rosechat.server_stats import ServerStats
+from rosechat.widgets.server_view import ServerView
 
 # Distinct on dark and light backgrounds; tabs take them in order, unknown owners by a stable hash.
 PALETTE = (
@@ -255,6 +257,17 @@ class KVPanel(Widget):
                 yield BlockMap(id="kv-map")
                 yield Static("", id="kv-legend")
             yield Static("waiting for the engine…", id="kv-stats")
+        yield ServerView(id="kv-server")
+
+    def on_mount(self) -> None:
+        self.query_one(ServerView).display = False
+
+    def show_server(self, stats: ServerStats) -> None:
+        """A remote server's figures instead of the block map (it sends no map)."""
+        self.query_one(Horizontal).display = False
+        view = self.query_one(ServerView)
+        view.display = True
+        view.show(stats)
 
     def show(self, snapshot: CacheSnapshot, owners: Mapping[str, OwnerStyle] | None = None) -> None:
         self.snapshot = snapshot

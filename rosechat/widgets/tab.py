@@ -283,6 +283,10 @@ class ChatTab(TabPane):
         reply.view.add_class("-error")
         if reply.replaces is not None:  # the reply being replaced stays the last message
             self.messages.append(reply.replaces)
+        elif reply.view.text.strip():  # cut short (a server gone mid-reply): kept, marked, and ctrl+r retries it
+            kept = ChatMessage("assistant", reply.view.text, view=reply.view)
+            self.messages.append(kept)
+            self.saver.save_reply(self, kept, ReplyStats(finish_reason="error"))
         self._end_reply()
         self.notify(ev.message, title="Engine error", severity="error", timeout=10)
 
