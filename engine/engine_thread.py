@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.events import EngineError, Event, Finished, TokenDelta, TurnPreempted, TurnStarted
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.conversations import LLMEngine
+from engine.events import EngineError, Event, TurnPreempted, TurnStarted
+from engine.output_processor import RequestOutput
 from engine.sequence import SamplingParams
 
 _SHUTDOWN = "shutdown"
@@ -164,26 +165,7 @@ class EngineThread:
         return True
 
     def _emit_output(self, out: RequestOutput) -> None:
-        for index, text in out.deltas:
-            self._emit(TokenDelta(out.request_id, out.conversation_id, index, text))
-        if not out.finished:
-            return
-        self._request_conv.pop(out.request_id, None)
-        if out.error is not None:
-            self._emit(EngineError(out.request_id, out.conversation_id, out.error))
-            return
-        self._emit(
-            Finished(
-                request_id=out.request_id,
-                conversation_id=out.conversation_id,
-                texts=tuple(o.text for o in out.outputs),
-                finish_reasons=tuple(o.finish_reason or "stop" for o in out.outputs),
-                usage=out.usage,
-                ttft_s=out.ttft_s,
-                total_s=out.total_s,
-                tokens_per_s=out.tokens_per_s,
-                sample_tokens=tuple(len(o.token_ids) for o in out.outputs),
-                sample_tokens_per_s=tuple(out.sample_tokens_per_s),
-            )
-        )
-
+        for event in out.events:  # built once by the output processor
+            self._emit(event)
+        if out.finished:
+            self._request_conv.pop(out.request_id, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.attention import AttentionMetadata
@@ -62,6 +64,7 @@ class ModelRunner:
         self._layer_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(num_layers)]
         self._bind_caches()
         self.graphs: DecodeGraphs | None = None
+        self.last_prepare_s = 0.0  # input preparation time of the latest run (StepStats)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Record decode steps as CUDA graphs (CUDA with the Triton kernels only; else a no-op)."""
@@ -149,7 +152,11 @@ class ModelRunner:
         """Forward the batch; returns fp32 logits for the sequences that sample, in batch order
         (`all_logits`: for every token of the batch instead)."""
         self._bind_caches()
+        if batch.copies:  # copy-on-write before attention reads or writes those blocks
+            self.copy_blocks(batch.copies)
+        t0 = time.perf_counter()
         input_ids, positions, meta, logits_index = self.prepare(batch)
+        self.last_prepare_s = time.perf_counter() - t0
         graphs, n = self.graphs, len(batch.seqs)
         if graphs is not None and batch.num_decodes == n and graphs.fits(n, meta.decode_block_tables.shape[1]):
             hidden = graphs.run(input_ids, positions, meta)

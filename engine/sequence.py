@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -84,14 +84,7 @@ class Sequence:
         self.owner = ""  # id shown in the cache snapshot: conversation id, else request id
         self.finish_reason: str | None = None
         self.finish_time: float | None = None  # time.monotonic() when it finished
-        self.generator: torch.Generator | None = None
-        self.detokenizer: Any = None
-        # Conversations: the chat-template text of this turn's prompt, and once the turn ends the
-        # text its prompt + reply spell, with how many tokens spell it (a final stop token does not).
-        self.prompt_text: str | None = None
-        self.chat_text: str | None = None
-        self.chat_len = 0
-        self.pending_text = ""  # streamed text not yet handed out by LLMEngine.step()
+        self.generator: torch.Generator | None = None  # seeded sampling stream, made at first sample
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import ContextLengthError, LLMEngine, SamplingParams
-from engine.llm_engine import common_prefix_len
+from engine.conversations import common_prefix_len
 from tests.helpers import make_tiny_model
 
 SYSTEM = {"role": "system", "content": "You are terse."}

@@ -329,7 +329,7 @@ def test_a_failing_request_does_not_take_down_the_others(llama_dir: str) -> None
     def explode(token_id: int) -> str:
         raise RuntimeError("injected failure")
 
-    eng.groups[bad].seqs[0].detokenizer.append = explode
+    eng.outputs.detokenizer(eng.groups[bad].seqs[0]).append = explode
     done = _drain(eng)
     assert done[bad].error and "injected failure" in done[bad].error
     assert len(done[good].outputs[0].token_ids) == 8 and done[good].error is None

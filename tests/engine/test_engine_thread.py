@@ -166,15 +166,14 @@ def test_an_injected_failure_ends_only_that_request(running) -> None:
     bad = et.submit_turn(et.new_conversation(), chat("doomed"), SamplingParams(max_tokens=20, ignore_eos=True))
     rec.wait(lambda: rec.of(TokenDelta, bad))
 
-    real = eng._append_tokens
+    real = eng.outputs.append
 
-    def sabotage(seqs, tokens):  # runs on the engine thread: break one request's detokenizer
-        for s in seqs:
-            if s.group.request_id == bad:
-                s.detokenizer.append = lambda _t: 1 / 0
-        real(seqs, tokens)
+    def sabotage(seq, token):  # runs on the engine thread: break one request's detokenizing
+        if seq.group.request_id == bad:
+            return 1 / 0
+        return real(seq, token)
 
-    eng._append_tokens = sabotage
+    eng.outputs.append = sabotage
     rec.wait_done(good, bad)
     assert isinstance(rec.finished(bad), EngineError) and "ZeroDivisionError" in rec.finished(bad).message
     assert isinstance(rec.finished(good), Finished) and rec.finished(good).usage.completion_tokens == 20

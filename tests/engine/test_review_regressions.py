@@ -149,7 +149,7 @@ def test_abort_whose_flush_fails_does_not_leave_a_zombie_sequence(model_dir: str
     def broken_flush() -> str:
         raise RuntimeError("injected detokenizer failure")
 
-    seq.detokenizer.flush = broken_flush
+    eng.outputs.detokenizer(seq).flush = broken_flush
     with contextlib.suppress(RuntimeError):
         eng.abort(a)
     done = _drain(eng)  # KeyError: 'req-0' on the code as reviewed
