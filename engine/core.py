@@ -269,8 +269,12 @@ class EngineCore:
         except Exception:
             for group in self.groups.values():
                 for seq in group.seqs:
-                    self.scheduler.remove(seq)
+                    try:  # best effort: give back what can be given back
+                        self.scheduler.release(seq)
+                    except Exception:
+                        pass
             self.groups.clear()
+            self.outputs.requests.clear()
             self._ended.clear()
             raise
 

@@ -240,3 +240,18 @@ def test_a_preempted_turn_is_reported_and_resumes(model_dir: str) -> None:
                    for r in rids)
     finally:
         et.shutdown()
+
+
+def test_failed_recovery_forgets_what_was_in_flight_and_keeps_serving(running) -> None:
+    eng, et, rec = running
+    real_step, real_fail_all = eng.step, eng.fail_all
+    eng.step = lambda: (setattr(eng, "step", real_step), 1 / 0)[1]  # the next step fails once
+    eng.fail_all = lambda message: (setattr(eng, "fail_all", real_fail_all), 1 / 0)[1]  # and so does recovery
+    lost = et.submit_turn(et.new_conversation(), chat("lost"), SamplingParams(max_tokens=50, ignore_eos=True))
+    rec.wait(lambda: any(e.request_id is None and "recovery failed" in e.message for e in rec.of(EngineError)))
+    assert not eng.groups and rec.finished(lost) is None
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks  # nothing leaked
+    again = et.submit_turn(et.new_conversation(), chat("still there?"), SamplingParams(max_tokens=5))
+    rec.wait_done(again)
+    assert isinstance(rec.finished(again), Finished)
+    eng.block_manager.check_invariants()
