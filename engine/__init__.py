@@ -9,7 +9,15 @@ from engine.core import ContextLengthError, EngineInfo, RequestError, StepStats
 from engine.engine_thread import EngineThread
 from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, TurnPreempted, TurnStarted, Usage
 from engine.gguf_file import GGUFError
-from engine.loader import PACKAGED_MODELS, ModelNotFoundError, ModelSource, generation_defaults, resolve_model
+from engine.loader import (
+    PACKAGED_MODELS,
+    LoadedModel,
+    ModelNotFoundError,
+    ModelSource,
+    generation_defaults,
+    load_model,
+    resolve_model,
+)
 from engine.output_processor import CompletionOutput, RequestOutput
 from engine.sequence import SamplingParams
 
@@ -23,6 +31,7 @@ __all__ = [
     "EngineThread",
     "Finished",
     "LLMEngine",
+    "LoadedModel",
     "GGUFError",
     "ModelNotFoundError",
     "ModelSource",
@@ -36,5 +45,6 @@ __all__ = [
     "TurnStarted",
     "Usage",
     "generation_defaults",
+    "load_model",
     "resolve_model",
 ]

@@ -48,19 +48,25 @@ class EngineInfo:
     max_model_len: int
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's own sampling settings
     generation_source: str = ""  # "generation_config.json", "GGUF metadata" or "" (none)
+    kv_block_bytes: int = 0  # one block's K and V, all layers
 
 
 @dataclass
 class StepStats:
-    """One step's timings (seconds), for a per-step stats hook (the bench)."""
+    """One step, for the per-step stats hook `LLMEngine.on_step` (the bench). Times in seconds
+    (the device synchronised at each boundary while a hook is set); blocks right after scheduling,
+    when a step holds the most (finished sequences free theirs later in the step)."""
 
     num_seqs: int
     num_decodes: int
-    num_tokens: int
+    num_tokens: int  # tokens computed this step
+    context_tokens: int  # sum over the batch of each sequence's context after this step
+    used_blocks: int  # blocks in use
+    held_blocks: int  # the same holders' blocks if nothing were shared (sum of block tables)
     schedule_s: float
-    prepare_s: float
-    model_s: float
-    sample_s: float
+    prepare_s: float  # model inputs and attention metadata
+    model_s: float  # forward + logits (+ copy-on-write copies)
+    sample_s: float  # advance, n-sample forks, sampling
 
 
 def _penalised(seq: Sequence) -> list[int]:
@@ -81,6 +87,7 @@ class EngineCore:
             loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, config.block_size, dtype
         )
         num_blocks = config.resolve_num_blocks(block_bytes)
+        self.kv_block_bytes = block_bytes
         self.max_model_len = min(loaded.max_model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -114,6 +121,7 @@ class EngineCore:
             dtype=str(c.torch_dtype).removeprefix("torch."), backend=c.attention_backend,
             num_blocks=self.block_manager.num_blocks, block_size=c.block_size, max_model_len=self.max_model_len,
             generation_defaults=dict(self.loaded.generation_defaults), generation_source=self.loaded.generation_source,
+            kv_block_bytes=self.kv_block_bytes,
         )  # fmt: skip
 
     @property
@@ -201,14 +209,16 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        timed = self.on_step is not None
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return self._collect([])
         groups = list({s.group.request_id: s.group for s in batch.seqs}.values())
         t1 = time.perf_counter()
+        stats = self._stats(batch, t1 - t0) if timed else None
         try:
-            logits = self.runner.run(batch)  # copy-on-write copies first, then the forward
+            logits = self.runner.run(batch, sync=timed)  # copy-on-write copies first, then the forward
             t2 = time.perf_counter()
             rows, seqs = self.scheduler.advance(batch)
             if len(rows) != len(logits):  # n > 1 groups forked: their rows repeat
@@ -220,11 +230,20 @@ class EngineCore:
             return self._collect([])
         t3 = time.perf_counter()
         self._update(seqs, tokens)
-        if self.on_step is not None:
-            prep = self.runner.last_prepare_s
-            self.on_step(StepStats(len(batch), batch.num_decodes, sum(batch.num_tokens), t1 - t0, prep,
-                                   t2 - t1 - prep, t3 - t2))
+        if stats is not None:
+            stats.prepare_s = self.runner.last_prepare_s
+            stats.model_s, stats.sample_s = t2 - t1 - stats.prepare_s, t3 - t2
+            self.on_step(stats)
         return self._collect(groups)
+
+    def _stats(self, batch: ScheduledBatch, schedule_s: float) -> StepStats:
+        bm = self.block_manager
+        return StepStats(
+            len(batch), batch.num_decodes, sum(batch.num_tokens),
+            sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_tokens)),
+            bm.num_blocks - bm.num_free_blocks, sum(len(s.block_table) for s in bm.holders.values()),
+            schedule_s, 0.0, 0.0, 0.0,
+        )  # fmt: skip
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         params = [s.group.params for s in seqs]

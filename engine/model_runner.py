@@ -139,17 +139,23 @@ class ModelRunner:
                            self.k_cache.dtype, shared)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, all_logits: bool = False, sync: bool = False) -> torch.Tensor:
         """Forward the batch; returns fp32 logits for the sequences that sample, in batch order
-        (`all_logits`: for every token of the batch instead)."""
+        (`all_logits`: for every token of the batch instead). `sync`: wait for the device at the
+        end of each part, so their times (last_prepare_s) are the device's too."""
         if batch.copies:  # copy-on-write before attention reads or writes those blocks
             self.copy_blocks(batch.copies)
         t0 = time.perf_counter()
         input_ids, positions, meta, logits_index = self.prepare(batch)
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.last_prepare_s = time.perf_counter() - t0
         graphs, n = self.graphs, len(batch.seqs)
         if graphs is not None and batch.num_decodes == n and graphs.fits(n, meta.decode_block_tables.shape[1]):
             hidden = graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden if all_logits else hidden[logits_index])
+        logits = self.model.compute_logits(hidden if all_logits else hidden[logits_index])
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return logits
