@@ -255,3 +255,50 @@ def test_failed_recovery_forgets_what_was_in_flight_and_keeps_serving(running) -
     rec.wait_done(again)
     assert isinstance(rec.finished(again), Finished)
     eng.block_manager.check_invariants()
+
+
+def test_engine_thread_survives_a_step_that_fails_inside_the_scheduler(model_dir: str) -> None:
+    """EngineThread promises to turn an engine bug into errors for the requests in flight and keep
+    serving. A step that raises inside Scheduler.schedule() after popping a sequence from the waiting
+    queue (here: an injected allocator failure; in real life any block-manager assertion) leaves that
+    sequence WAITING but in no queue, so fail_all -> _release -> Scheduler.remove -> deque.remove
+    raises ValueError out of the except handler, and the engine thread dies silently."""
+    import threading
+
+    from engine import EngineError, EngineThread, Finished
+
+    eng = LLMEngine.from_pretrained(model_dir, block_size=4, num_blocks=64)
+    events: list = []
+    done = threading.Condition()
+
+    def on_event(ev) -> None:
+        with done:
+            events.append(ev)
+            done.notify_all()
+
+    real_allocate = eng.block_manager.allocate
+    calls = []
+
+    def allocate_once_broken(seq, plan):
+        calls.append(seq.seq_id)
+        if len(calls) == 1:
+            raise RuntimeError("injected allocator bug")
+        return real_allocate(seq, plan)
+
+    eng.block_manager.allocate = allocate_once_broken
+    et = EngineThread(eng, on_event)
+    et.start()
+    try:
+        msgs = [{"role": "user", "content": "hi"}]
+        first = et.submit_turn(et.new_conversation(), msgs, SamplingParams(max_tokens=3))
+        second = et.submit_turn(et.new_conversation(), msgs, SamplingParams(max_tokens=3))
+
+        def ended(rid):
+            return any(isinstance(e, Finished | EngineError) and e.request_id == rid for e in events)
+
+        with done:
+            done.wait_for(lambda: ended(first) and ended(second), timeout=3.0)
+        assert et.is_alive, "the engine thread died"
+        assert ended(first) and ended(second)
+    finally:
+        et.shutdown(timeout=1.0)
