@@ -193,19 +193,15 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups or self._ended)
 
-    # ------------------------------------------------------------------ layer hooks (conversations)
-    def _parks(self, group: SequenceGroup) -> bool:
-        """Whether a finished sequence of group keeps its blocks (a conversation's turn)."""
+    # ------------------------------------------------------------------ hooks of a layer on top (conversations)
+    def _parks(self, group: SequenceGroup) -> bool:  # does a finished sequence keep its blocks?
         return False
 
-    def _finished(self, seq: Sequence, text: str, cut_by_stop_string: bool) -> None:
-        """A sequence finished with this text."""
+    def _finished(self, seq: Sequence, text: str, cut_by_stop_string: bool) -> None: ...
 
-    def _failed(self, group: SequenceGroup) -> None:
-        """group failed; its sequences are released."""
+    def _failed(self, group: SequenceGroup) -> None: ...  # its sequences are released already
 
-    def _ended_group(self, group: SequenceGroup) -> None:
-        """group's final output was taken: it left the engine."""
+    def _ended_group(self, group: SequenceGroup) -> None: ...  # its final output was taken
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
