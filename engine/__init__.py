@@ -4,18 +4,21 @@ The public API; the TUI and the benchmarks use nothing else.
 """
 
 from engine.config import EngineConfig
+from engine.conversations import LLMEngine
+from engine.core import ContextLengthError, EngineInfo, RequestError, StepStats
 from engine.engine_thread import EngineThread
 from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, TurnPreempted, TurnStarted, Usage
 from engine.gguf_file import GGUFError
-from engine.llm_engine import (
-    CompletionOutput,
-    ContextLengthError,
-    EngineInfo,
-    LLMEngine,
-    RequestError,
-    RequestOutput,
+from engine.loader import (
+    PACKAGED_MODELS,
+    LoadedModel,
+    ModelNotFoundError,
+    ModelSource,
+    generation_defaults,
+    load_model,
+    resolve_model,
 )
-from engine.loader import PACKAGED_MODELS, ModelNotFoundError, ModelSource, generation_defaults, resolve_model
+from engine.output_processor import CompletionOutput, RequestOutput
 from engine.sequence import SamplingParams
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "EngineThread",
     "Finished",
     "LLMEngine",
+    "LoadedModel",
     "GGUFError",
     "ModelNotFoundError",
     "ModelSource",
@@ -35,10 +39,12 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "StepStats",
     "TokenDelta",
     "TurnPreempted",
     "TurnStarted",
     "Usage",
     "generation_defaults",
+    "load_model",
     "resolve_model",
 ]

@@ -1,4 +1,5 @@
-"""Paged attention as the models see it: per-step metadata and a weightless Attention layer."""
+"""Paged attention as the models see it: an attention backend built once per KV pool (metadata
+builder + forward), the per-step metadata, and a weightless Attention layer."""
 
 from __future__ import annotations
 
@@ -24,20 +25,53 @@ class AttentionMetadata:
     prefill_block_tables: Tensor  # [num_prefills, max_blocks] int32
     prefill_cu_seqlens_q: Tensor  # [num_prefills + 1] int32, offsets into the prefill part
     prefill_context_lens: Tensor  # [num_prefills] int32, cached prefix + new tokens
-    backend: str | None = None  # "torch" / "triton" / None (auto)
+    backend: AttentionBackend | None = None  # the pool and kernels these tensors index
     # CPU attention's gather plan for the decodes, built once per step; it attends the blocks that
     # several decodes start with (a system prompt, a forked history) once for all of them
     decode_plan: DecodePlan | None = None
 
 
+class AttentionBackend:
+    """The paged attention of one KV pool, built once: the kernels chosen at start-up and the
+    pool's per-layer caches, passed explicitly to every kernel call (never stored on modules)."""
+
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, kernels: str | None) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [num_layers, num_blocks, block_size, kv_heads, head_dim]
+        self.kernels = kernels  # "torch" / "triton" / None (kernels/ picks by device)
+        self.layers = [(k_cache[i], v_cache[i]) for i in range(k_cache.shape[0])]
+
+    def metadata(self, **fields) -> AttentionMetadata:
+        return AttentionMetadata(backend=self, **fields)
+
+    def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, meta: AttentionMetadata) -> Tensor:
+        """Write this step's K/V into their slots, then attend: decodes first, then prefills."""
+        k_cache, v_cache = self.layers[layer]
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, scale, meta)
+        if nd == 0:
+            return self._prefill(q, k_cache, v_cache, scale, meta)
+        out = torch.empty_like(q)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, scale, meta)
+        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, scale, meta)
+        return out
+
+    def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, meta: AttentionMetadata) -> Tensor:
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                      scale, plan=meta.decode_plan, backend=self.kernels)
+
+    def _prefill(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, meta: AttentionMetadata) -> Tensor:
+        return paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                                       meta.prefill_context_lens, scale, backend=self.kernels)
+
+
 class Attention(nn.Module):
-    """Writes this step's K/V into the paged cache, then attends through the block tables.
+    """Holds no weights and no cache: this layer's index into the pool the metadata's backend
+    owns. The backend writes this step's K/V into the paged cache, then attends through the
+    block tables."""
 
-    Holds no weights. `k_cache` / `v_cache` are this layer's views `[num_blocks, block_size,
-    num_kv_heads, head_dim]` of the engine's pool; the model runner assigns them.
-    """
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int = 0) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -45,49 +79,13 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.k_cache: Tensor | None = None
-        self.v_cache: Tensor | None = None
+        self.layer_idx = layer_idx
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
-        if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError(
-                "Attention layer has no KV cache: the model runner must assign k_cache/v_cache "
-                "(see model.attention_layers()) before the first forward"
-            )
-        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        num_decode = meta.num_decode_tokens
-        if num_decode == q.shape[0]:
-            return self._decode(q, meta)
-        if num_decode == 0:
-            return self._prefill(q, meta)
-        out = torch.empty_like(q)
-        out[:num_decode] = self._decode(q[:num_decode], meta)
-        out[num_decode:] = self._prefill(q[num_decode:], meta)
-        return out
-
-    def _decode(self, q: Tensor, meta: AttentionMetadata) -> Tensor:
-        return paged_decode_attention(
-            q,
-            self.k_cache,
-            self.v_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            self.scale,
-            plan=meta.decode_plan,
-            backend=meta.backend,
-        )
-
-    def _prefill(self, q: Tensor, meta: AttentionMetadata) -> Tensor:
-        return paged_prefill_attention(
-            q,
-            self.k_cache,
-            self.v_cache,
-            meta.prefill_block_tables,
-            meta.prefill_cu_seqlens_q,
-            meta.prefill_context_lens,
-            self.scale,
-            backend=meta.backend,
-        )
+        if meta.backend is None:
+            raise RuntimeError("attention metadata without a backend: no k_cache/v_cache to attend (build it "
+                               "with AttentionBackend.metadata)")
+        return meta.backend.forward(self.layer_idx, q, k, v, self.scale, meta)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, layer={self.layer_idx}"

@@ -97,6 +97,11 @@ class BlockManager:
                 self._uncache(block)
                 self.free_ids.append(block_id)
 
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies queued since the last call: the scheduled batch carries them."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
     # ------------------------------------------------------------------ prefix cache
     def _hash(self, parent: int, tokens: tuple[int, ...]) -> int:
         return hash((parent, tokens))

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
-        backend: str,
+        attention: AttentionBackend,
         capture: bool,
     ) -> None:
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
-        self.backend = backend
+        self.attention = attention
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -62,7 +62,7 @@ class DecodeGraphs:
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         dev = self.input_ids.device
-        return AttentionMetadata(
+        return self.attention.metadata(
             slot_mapping=self.slot_mapping[:bs],
             num_decode_tokens=bs,
             decode_block_tables=self.block_tables[:bs],
@@ -70,7 +70,6 @@ class DecodeGraphs:
             prefill_block_tables=self.block_tables[:0],
             prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=dev),
             prefill_context_lens=self.context_lens[:0],
-            backend=self.backend,
         )
 
     def _eager(self, bs: int) -> Callable[[], torch.Tensor]:

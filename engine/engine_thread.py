@@ -14,13 +14,56 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
-from engine.events import EngineError, Event, Finished, TokenDelta, TurnPreempted, TurnStarted
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.conversations import LLMEngine
+from engine.events import EngineError, Event, TurnPreempted, TurnStarted
+from engine.output_processor import RequestOutput
 from engine.sequence import SamplingParams
 
-_SHUTDOWN = "shutdown"
+
+@dataclass(frozen=True)
+class StartConversation:
+    conversation_id: str
+
+
+@dataclass(frozen=True)
+class SubmitTurn:
+    conversation_id: str
+    messages: list[dict[str, str]]
+    params: SamplingParams
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ForkConversation:
+    conversation_id: str
+    new_id: str
+
+
+@dataclass(frozen=True)
+class DropConversation:
+    conversation_id: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Command = StartConversation | SubmitTurn | Abort | ForkConversation | DropConversation | Snapshot | Shutdown
+_NAMES = {StartConversation: "start", SubmitTurn: "submit", Abort: "abort", ForkConversation: "fork",
+          DropConversation: "drop"}  # fmt: skip  (as error messages have always named them)
 
 
 class EngineThread:
@@ -30,7 +73,7 @@ class EngineThread:
         self.engine = engine
         self.on_event = on_event
         self.snapshot_interval = snapshot_interval  # at most ~10 CacheSnapshot events per second
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ids = itertools.count()  # next() on a count is atomic under the GIL
         self._request_conv: dict[str, str] = {}  # live request -> conversation (engine thread only)
@@ -43,31 +86,31 @@ class EngineThread:
 
     def new_conversation(self) -> str:
         cid = f"conv-{next(self._ids)}"
-        self._commands.put(("start", cid))
+        self._commands.put(StartConversation(cid))
         return cid
 
     def submit_turn(self, conversation_id: str, messages: list[dict[str, str]], params: SamplingParams) -> str:
         rid = f"turn-{next(self._ids)}"
-        self._commands.put(("submit", conversation_id, list(messages), params, rid))
+        self._commands.put(SubmitTurn(conversation_id, list(messages), params, rid))
         return rid
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort(request_id))
 
     def fork_conversation(self, conversation_id: str) -> str:
         cid = f"conv-{next(self._ids)}"
-        self._commands.put(("fork", conversation_id, cid))
+        self._commands.put(ForkConversation(conversation_id, cid))
         return cid
 
     def drop_conversation(self, conversation_id: str) -> None:
-        self._commands.put(("drop", conversation_id))
+        self._commands.put(DropConversation(conversation_id))
 
     def request_snapshot(self) -> None:
-        self._commands.put(("snapshot",))
+        self._commands.put(Snapshot())
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._commands.put((_SHUTDOWN,))
+        self._commands.put(Shutdown())
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -93,7 +136,7 @@ class EngineThread:
             except queue.Empty:
                 cmd, dirty = None, dirty or rate_shown
             while cmd is not None:
-                if cmd[0] == _SHUTDOWN:
+                if isinstance(cmd, Shutdown):
                     return
                 dirty |= self._handle(cmd)
                 try:
@@ -126,64 +169,45 @@ class EngineThread:
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         try:
-            return self.engine.fail_all(message)
-        except Exception as e:  # never let the thread die: report it and drop what is in flight
-            self.engine.groups.clear()
+            return self.engine.recover(message)
+        except Exception as e:  # never let the thread die: report it (the engine forgot what was in flight)
             self._emit(EngineError(None, None, f"{message}; recovery failed: {type(e).__name__}: {e}"))
             return []
 
-    def _handle(self, cmd: tuple[Any, ...]) -> bool:
+    def _handle(self, cmd: Command) -> bool:
         """Run one command; returns whether the cache may have changed."""
-        eng, kind = self.engine, cmd[0]
-        if kind == "snapshot":
-            self._emit(eng.cache_snapshot())
-            return False
-        rid = cmd[4] if kind == "submit" else cmd[1] if kind == "abort" else None
-        cid = cmd[1] if kind in ("start", "submit", "fork", "drop") else self._request_conv.get(rid)
+        eng = self.engine
+        rid = getattr(cmd, "request_id", None)
+        cid = getattr(cmd, "conversation_id", None) or self._request_conv.get(rid)
         try:
-            if kind == "start":
-                eng.start_conversation(cmd[1])
-            elif kind == "submit":
-                if cid not in eng.conversations:
-                    eng.start_conversation(cid)
-                eng.submit_turn(cid, cmd[2], cmd[3], request_id=rid)
-                self._request_conv[rid] = cid
-                group = eng.groups[rid]
-                self._emit(TurnStarted(rid, cid, group.prompt_len, group.dropped_messages, group.params.max_tokens,
-                                       group.max_tokens_clamped, eng.max_model_len))
-            elif kind == "abort":
-                eng.abort(cmd[1])
-            elif kind == "fork":
-                eng.fork_conversation(cmd[1], cmd[2])
-            elif kind == "drop":
-                eng.drop_conversation(cmd[1])
-                # its request (if busy) ends silently with the tab: forget it
-                self._request_conv = {r: c for r, c in self._request_conv.items() if c != cmd[1]}
+            match cmd:
+                case Snapshot():
+                    self._emit(eng.cache_snapshot())
+                    return False
+                case StartConversation(conversation_id=c):
+                    eng.start_conversation(c)
+                case SubmitTurn(conversation_id=c, messages=messages, params=params, request_id=r):
+                    if c not in eng.conversations:
+                        eng.start_conversation(c)
+                    eng.submit_turn(c, messages, params, request_id=r)
+                    self._request_conv[r] = c
+                    group = eng.groups[r]
+                    self._emit(TurnStarted(r, c, group.prompt_len, group.dropped_messages, group.params.max_tokens,
+                                           group.max_tokens_clamped, eng.max_model_len))
+                case Abort(request_id=r):
+                    eng.abort(r)
+                case ForkConversation(conversation_id=c, new_id=new):
+                    eng.fork_conversation(c, new)
+                case DropConversation(conversation_id=c):
+                    eng.drop_conversation(c)
+                    # its request (if busy) ends silently with the tab: forget it
+                    self._request_conv = {r: k for r, k in self._request_conv.items() if k != c}
         except Exception as e:
-            self._emit(EngineError(rid, cid, f"{kind} failed: {e}", getattr(e, "code", "engine_error")))
+            self._emit(EngineError(rid, cid, f"{_NAMES[type(cmd)]} failed: {e}", getattr(e, "code", "engine_error")))
         return True
 
     def _emit_output(self, out: RequestOutput) -> None:
-        for index, text in out.deltas:
-            self._emit(TokenDelta(out.request_id, out.conversation_id, index, text))
-        if not out.finished:
-            return
-        self._request_conv.pop(out.request_id, None)
-        if out.error is not None:
-            self._emit(EngineError(out.request_id, out.conversation_id, out.error))
-            return
-        self._emit(
-            Finished(
-                request_id=out.request_id,
-                conversation_id=out.conversation_id,
-                texts=tuple(o.text for o in out.outputs),
-                finish_reasons=tuple(o.finish_reason or "stop" for o in out.outputs),
-                usage=out.usage,
-                ttft_s=out.ttft_s,
-                total_s=out.total_s,
-                tokens_per_s=out.tokens_per_s,
-                sample_tokens=tuple(len(o.token_ids) for o in out.outputs),
-                sample_tokens_per_s=tuple(out.sample_tokens_per_s),
-            )
-        )
-
+        for event in out.events:  # built once by the output processor
+            self._emit(event)
+        if out.finished:
+            self._request_conv.pop(out.request_id, None)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs, build_decode_graphs
 from engine.scheduler import ScheduledBatch
 from kernels import DecodePlan, SharedPrefix, copy_blocks, plan_decode
@@ -58,24 +60,17 @@ class ModelRunner:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers = list(model.attention_layers())
-        self._layer_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(num_layers)]
-        self._bind_caches()
+        self.attention = AttentionBackend(self.k_cache, self.v_cache, backend)
         self.graphs: DecodeGraphs | None = None
+        self.last_prepare_s = 0.0  # input preparation time of the latest run (StepStats)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Record decode steps as CUDA graphs (CUDA with the Triton kernels only; else a no-op)."""
         if self.device.type == "cuda" and self.backend == "triton":
             self.graphs = build_decode_graphs(
                 self.model, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
-                device=self.device, backend=self.backend,
+                device=self.device, attention=self.attention,
             )  # fmt: skip
-
-    def _bind_caches(self) -> None:
-        # Each step, in case another engine built on the same model object took the layers.
-        if self.layers[0].k_cache is not self._layer_caches[0][0]:
-            for attn, (k, v) in zip(self.layers, self._layer_caches, strict=True):
-                attn.k_cache, attn.v_cache = k, v
 
     @staticmethod
     def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
@@ -118,7 +113,7 @@ class ModelRunner:
         samples = [i for i, s in enumerate(seqs) if starts[i] + counts[i] == len(s)]
         logits_index = cu[1:][samples] - 1
 
-        meta = AttentionMetadata(
+        meta = self.attention.metadata(
             slot_mapping=slots.to(dev),
             num_decode_tokens=nd,
             decode_block_tables=block_tables[:nd].to(dev),
@@ -126,7 +121,6 @@ class ModelRunner:
             prefill_block_tables=block_tables[nd:].to(dev),
             prefill_cu_seqlens_q=(cu[nd:] - cu[nd]).to(torch.int32).to(dev),
             prefill_context_lens=context_lens[nd:].to(dev),
-            backend=self.backend,
         )
         if nd and self.backend == "torch" and self.k_cache.dtype in (torch.float32, torch.float64):
             meta.decode_plan = self._plan_decode(tables[:nd], [c + 1 for c in starts[:nd]], meta)
@@ -145,14 +139,23 @@ class ModelRunner:
                            self.k_cache.dtype, shared)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, all_logits: bool = False, sync: bool = False) -> torch.Tensor:
         """Forward the batch; returns fp32 logits for the sequences that sample, in batch order
-        (`all_logits`: for every token of the batch instead)."""
-        self._bind_caches()
+        (`all_logits`: for every token of the batch instead). `sync`: wait for the device at the
+        end of each part, so their times (last_prepare_s) are the device's too."""
+        if batch.copies:  # copy-on-write before attention reads or writes those blocks
+            self.copy_blocks(batch.copies)
+        t0 = time.perf_counter()
         input_ids, positions, meta, logits_index = self.prepare(batch)
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_prepare_s = time.perf_counter() - t0
         graphs, n = self.graphs, len(batch.seqs)
         if graphs is not None and batch.num_decodes == n and graphs.fits(n, meta.decode_block_tables.shape[1]):
             hidden = graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden if all_logits else hidden[logits_index])
+        logits = self.model.compute_logits(hidden if all_logits else hidden[logits_index])
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return logits

@@ -1,9 +1,11 @@
-"""Continuous batching: which sequences run this step, and how many tokens each computes."""
+"""Continuous batching: which sequences run this step, how many tokens each computes, and what
+happens to them after it (advance, n-sample forks, appended tokens, finish/park/free)."""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -16,6 +18,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]
     num_decodes: int
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write, before the forward
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -30,6 +33,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle conversations, oldest first
         self.preemptions = 0
+        self.prefill_tokens = 0  # prompt tokens computed by prefill over the engine's life
 
     def add(self, seq: Sequence) -> None:
         self.parked.pop(seq.seq_id, None)
@@ -138,7 +142,74 @@ class Scheduler:
             self.waiting.extendleft(reversed(deferred))
         scheduled.sort(key=lambda sn: sn[1] != 1)  # decodes (one token) first, stable otherwise
         num_decodes = sum(1 for _, n in scheduled if n == 1)
-        return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled], num_decodes)
+        seqs, counts = [s for s, _ in scheduled], [n for _, n in scheduled]
+        return ScheduledBatch(seqs, counts, num_decodes, self.bm.take_copies())
+
+    # ------------------------------------------------------------------ after the forward
+    def advance(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence]]:
+        """Mark the batch's tokens computed (full blocks enter the prefix cache); returns the
+        sequences that sample now with their logits row. A group's first sample forks its n-1
+        siblings here, sharing every prompt block (they repeat its row)."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            old = seq.num_computed_tokens
+            seq.num_computed_tokens = old + n
+            self.bm.cache_full_blocks(seq, old)
+            prompt = max(0, min(n, seq.num_prompt_tokens - old))
+            seq.group.prefilled_tokens += prompt
+            self.prefill_tokens += prompt
+        for seq in batch.seqs:
+            if seq.num_computed_tokens != len(seq):
+                continue  # a prefill chunk short of the prompt's end: no logits
+            group = seq.group
+            forks = [seq]
+            if len(group.seqs) < group.params.n and seq.index == 0 and seq.num_output_tokens == 0:
+                forks += [self._fork_sample(seq, i) for i in range(len(group.seqs), group.params.n)]
+            rows += [row] * len(forks)
+            seqs += forks
+            row += 1
+        return rows, seqs
+
+    def _fork_sample(self, seq: Sequence, index: int) -> Sequence:
+        child = Sequence(seq.token_ids, seq.group, index)
+        child.owner = seq.owner
+        self.bm.fork(seq, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        seq.group.seqs.append(child)
+        return child
+
+    def append_token(self, seq: Sequence, token: int, eos_token_ids: set[int], max_model_len: int) -> str | None:
+        """Append a sampled token; returns "stop" (EOS or a stop id), "length" or None. Nothing
+        finishes here: a stop string (the output processor's) still beats "length" on this token."""
+        group, p = seq.group, seq.group.params
+        if group.first_token_time is None:
+            group.first_token_time = time.monotonic()
+        seq.token_ids.append(token)
+        if not p.ignore_eos and token in eos_token_ids or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str, park: bool) -> None:
+        """seq is done: out of every queue (never to run again), then parked with its blocks for
+        the next turn of its conversation, or freed (full blocks stay in the prefix cache)."""
+        self.remove(seq)
+        seq.finish_reason, seq.finish_time = reason, time.monotonic()
+        if park:
+            self.park(seq)
+        else:
+            self.bm.free(seq)
+            seq.status = SequenceStatus.FINISHED
+
+    def release(self, seq: Sequence) -> None:
+        """Drop seq and its blocks for good (a dropped conversation, a failed request)."""
+        self.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
 
 
 def _seats(seq: Sequence) -> int:

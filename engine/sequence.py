@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -30,22 +30,19 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.repetition_window is not None and self.repetition_window < 1:
-            raise ValueError(f"repetition_window must be >= 1 or None, got {self.repetition_window}")
+        w = self.repetition_window
+        for ok, rule, value in (
+            (self.max_tokens >= 1, "max_tokens must be >= 1", self.max_tokens),
+            (self.n >= 1, "n must be >= 1", self.n),
+            (self.temperature >= 0, "temperature must be >= 0", self.temperature),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p),
+            (0 <= self.min_p < 1, "min_p must be in [0, 1)", self.min_p),
+            (self.top_k >= 0, "top_k must be >= 0", self.top_k),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty),
+            (w is None or w >= 1, "repetition_window must be >= 1 or None", w),
+        ):
+            if not ok:
+                raise ValueError(f"{rule}, got {value}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
@@ -84,14 +81,7 @@ class Sequence:
         self.owner = ""  # id shown in the cache snapshot: conversation id, else request id
         self.finish_reason: str | None = None
         self.finish_time: float | None = None  # time.monotonic() when it finished
-        self.generator: torch.Generator | None = None
-        self.detokenizer: Any = None
-        # Conversations: the chat-template text of this turn's prompt, and once the turn ends the
-        # text its prompt + reply spell, with how many tokens spell it (a final stop token does not).
-        self.prompt_text: str | None = None
-        self.chat_text: str | None = None
-        self.chat_len = 0
-        self.pending_text = ""  # streamed text not yet handed out by LLMEngine.step()
+        self.generator: torch.Generator | None = None  # seeded sampling stream, made at first sample
 
     def __len__(self) -> int:
         return len(self.token_ids)

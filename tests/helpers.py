@@ -137,15 +137,14 @@ class PagedHarness:
 
     def __init__(self, loaded, *, num_blocks: int = 64, block_size: int = 4, backend: str | None = "torch",
                  seed: int = 0) -> None:
-        from engine.attention import AttentionMetadata  # noqa: F401  (fail early if missing)
+        from engine.attention import AttentionBackend
 
         param = next(loaded.model.parameters())
         shape = (loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
         # NaN-filled: reading a slot that was never written poisons the result
         self.k_cache = torch.full(shape, float("nan"), dtype=param.dtype, device=param.device)
         self.v_cache = torch.full(shape, float("nan"), dtype=param.dtype, device=param.device)
-        for i, layer in enumerate(loaded.model.attention_layers()):
-            layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
+        self.attention = AttentionBackend(self.k_cache, self.v_cache, backend)
         self.model = loaded.model
         self.block_size = block_size
         self.backend = backend
@@ -174,8 +173,6 @@ class PagedHarness:
 
     @torch.no_grad()
     def step(self, decodes: dict[int, int] | None = None, prefills: list[tuple[int, list[int]]] = ()) -> torch.Tensor:
-        from engine.attention import AttentionMetadata
-
         decodes = decodes or {}
         ids: list[int] = []
         positions: list[int] = []
@@ -193,7 +190,7 @@ class PagedHarness:
             cu.append(cu[-1] + len(tokens))
         dev = self.device
         i32 = dict(dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
+        meta = self.attention.metadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decode_tokens=len(decodes),
             decode_block_tables=self._tables(list(decodes)),
@@ -201,7 +198,6 @@ class PagedHarness:
             prefill_block_tables=self._tables([s for s, _ in prefills]),
             prefill_cu_seqlens_q=torch.tensor(cu, **i32),
             prefill_context_lens=torch.tensor([self.lens[s] for s, _ in prefills], **i32),
-            backend=self.backend,
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),

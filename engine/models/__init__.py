@@ -3,7 +3,7 @@
 Every model offers:
     forward(input_ids [T], positions [T], meta) -> hidden [T, hidden_size]
     compute_logits(hidden [N, hidden_size]) -> [N, vocab] float32
-    attention_layers() -> list[Attention]    (the runner assigns .k_cache / .v_cache)
+    attention_layers() -> list[Attention]    (layer i attends layer i of the pool)
     weight_target(checkpoint_name) -> (param name, merged shard | None, transpose) | None
 """
 

@@ -26,7 +26,7 @@ class GPT2Attention(nn.Module):
             scale /= layer_idx + 1
         self.c_attn = Linear(hidden, 3 * hidden)  # q, k, v stacked along the output dim
         self.c_proj = Linear(hidden, hidden)
-        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, scale)
+        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, scale, layer_idx)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)

@@ -176,7 +176,7 @@ def _runner_factories(args: argparse.Namespace, names: list[str], loaded: Any, t
     }
     if ContinuousBatchingRunner.available(twin):
         # the same paged pool as rosechat: block size, number of blocks, tokens per step
-        pool = LLMEngine(loaded, config).block_manager.num_blocks
+        pool = LLMEngine(loaded, config).info.num_blocks
         factories[CONTINUOUS] = lambda: ContinuousBatchingRunner(
             twin, pad, page_size=config.block_size, num_blocks=pool, max_batch_tokens=config.max_num_batched_tokens
         )
@@ -186,7 +186,7 @@ def _runner_factories(args: argparse.Namespace, names: list[str], loaded: Any, t
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
-    from engine.loader import load_model
+    from engine import load_model
 
     t_start = time.perf_counter()
     load_before = _load()

@@ -1,11 +1,11 @@
 """`decode-overhead`: one rosechat decode step against the model math it wraps.
 
 N sequences with distinct prompts are prefilled, then every engine step is a pure decode of N
-tokens. Per step: the whole `engine.step()`; the model alone (`runner.model(...)` +
-`compute_logits` on that step's inputs, prepared once and re-run right after the step); and the
-host overhead (the step minus its model time: scheduling, block bookkeeping, input preparation,
-sampling, output processing). Medians over the steps; the largest batch is measured first, then
-requests are aborted down to the smaller batches. Optionally profiles a few steps.
+tokens. Per step: the whole `engine.step()`; the model alone (forward + logits, as the engine's
+per-step stats report it); and the host overhead (the step minus its model time: scheduling,
+block bookkeeping, input preparation, sampling, output processing). Medians over the steps; the
+largest batch is measured first, then requests are aborted down to the smaller batches.
+Optionally profiles a few steps.
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from engine import EngineConfig, LLMEngine, SamplingParams
 from rosechat.bench.probe import StepProbe, StepRecord
-from rosechat.bench.roofline import synchronizer
 from rosechat.bench.workloads import TokenSource
 
 WARM_STEPS = 2
@@ -64,18 +61,6 @@ class DecodeReport:
     prefill_tok_s: float  # while filling the sequences (chunked prefill of distinct prompts)
     profile: list[ProfileRow] | None = None
     trace_path: str | None = None
-
-
-@torch.inference_mode()
-def _model_seconds(engine: LLMEngine, inputs: tuple) -> float:
-    input_ids, positions, meta, logits_index = inputs
-    model, sync = engine.runner.model, synchronizer(engine.runner.device)
-    sync()
-    t0 = time.perf_counter()
-    hidden = model(input_ids, positions, meta)
-    model.compute_logits(hidden[logits_index])
-    sync()
-    return time.perf_counter() - t0
 
 
 def _median_ms(values: list[float]) -> float:
@@ -164,7 +149,7 @@ def measure_decode(
             if not (record.is_decode and record.num_seqs == n):
                 raise RuntimeError(f"expected a pure decode step of {n} sequences, got {record}")
             records.append(record)
-            model_s.append(_model_seconds(engine, probe.last_inputs))
+            model_s.append(record.model_s)
         report.figures.append(_figures(n, records, model_s))
         if profile_dir is not None and n == largest:
             report.profile, report.trace_path = _profile(probe, profile_dir, n)

@@ -1,18 +1,19 @@
-"""StepProbe: times the parts of `LLMEngine.step()` and tracks KV blocks, without editing the engine.
+"""StepProbe: the parts of `LLMEngine.step()` and the KV blocks held, through the engine's public
+per-step stats hook (`LLMEngine.on_step`, one `StepStats` per step).
 
-It wraps the engine's collaborators on the instance (scheduler.schedule, runner.prepare,
-runner.run, sampler), so every step reports how long scheduling, input preparation, the model
-and sampling took, what the batch was, and how many KV blocks were held right after scheduling
-(when a step holds the most: finished sequences free theirs later in the step).
+Every step reports how long scheduling, input preparation, the model and sampling took, what the
+batch was, and how many KV blocks were held right after scheduling (when a step holds the most:
+finished sequences free theirs later in the step).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from engine import LLMEngine
+import torch
+
+from engine import LLMEngine, StepStats
 from rosechat.bench.roofline import synchronizer
 
 
@@ -21,7 +22,7 @@ class StepRecord:
     total_s: float = 0.0
     schedule_s: float = 0.0
     prepare_s: float = 0.0
-    run_s: float = 0.0  # runner.run: prepare + model forward + logits
+    run_s: float = 0.0  # prepare + model forward + logits
     sample_s: float = 0.0
     num_seqs: int = 0
     num_decodes: int = 0
@@ -44,48 +45,23 @@ class StepRecord:
 class StepProbe:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        bm = engine.block_manager
-        runner = engine.runner
-        self.block_bytes = (runner.k_cache.nbytes + runner.v_cache.nbytes) // bm.num_blocks
+        info = engine.info
+        self.block_bytes = info.kv_block_bytes
         self.blocks = self.blocks_unshared = 0  # right after the latest schedule
         self.peak_blocks = 0
         self.peak_blocks_unshared = 0  # the same holders' blocks if nothing were shared
-        self.last_inputs: tuple | None = None  # runner.prepare's result in the latest step
-        self.sync = synchronizer(runner.device)  # a timer stops when the GPU's queued work is done
+        self.sync = synchronizer(torch.device(info.device))  # a timer stops when the GPU's queued work is done
         self._rec = StepRecord()
-        self._wrap(engine.scheduler, "schedule", "schedule_s", self._after_schedule)
-        self._wrap(runner, "prepare", "prepare_s", self._after_prepare)
-        self._wrap(runner, "run", "run_s")
-        self._wrap(engine, "sampler", "sample_s")
+        engine.on_step = self._on_step
 
-    def _wrap(self, owner: Any, attr: str, field: str, after: Any = None) -> None:
-        inner = getattr(owner, attr)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = inner(*args, **kwargs)
-            self.sync()
-            setattr(self._rec, field, getattr(self._rec, field) + time.perf_counter() - t0)
-            if after is not None:
-                after(out)
-            return out
-
-        setattr(owner, attr, timed)
-
-    def _after_schedule(self, batch: Any) -> None:
-        bm = self.engine.block_manager
-        # CacheSnapshot.used_blocks and .blocks_without_sharing (the sum of refcounts), at
-        # O(sequences) instead of O(blocks) per step
-        self.blocks = bm.num_blocks - bm.num_free_blocks
-        self.blocks_unshared = sum(len(seq.block_table) for seq in bm.holders.values())
+    def _on_step(self, stats: StepStats) -> None:
+        self.blocks, self.blocks_unshared = stats.used_blocks, stats.held_blocks
         self.peak_blocks = max(self.peak_blocks, self.blocks)
         self.peak_blocks_unshared = max(self.peak_blocks_unshared, self.blocks_unshared)
-        self._rec.num_seqs = len(batch.seqs)
-        self._rec.num_decodes = batch.num_decodes
-        self._rec.context_tokens = sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_tokens))
-
-    def _after_prepare(self, inputs: tuple) -> None:
-        self.last_inputs = inputs
+        rec = self._rec
+        rec.schedule_s, rec.prepare_s, rec.sample_s = stats.schedule_s, stats.prepare_s, stats.sample_s
+        rec.run_s = stats.prepare_s + stats.model_s
+        rec.num_seqs, rec.num_decodes, rec.context_tokens = stats.num_seqs, stats.num_decodes, stats.context_tokens
 
     def reset_peaks(self) -> None:
         self.peak_blocks = self.peak_blocks_unshared = 0
@@ -94,5 +70,6 @@ class StepProbe:
         self._rec = StepRecord()
         t0 = time.perf_counter()
         outputs = self.engine.step()
+        self.sync()
         self._rec.total_s = time.perf_counter() - t0
         return outputs, self._rec

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import ContextLengthError, LLMEngine, SamplingParams
-from engine.llm_engine import common_prefix_len
+from engine.conversations import common_prefix_len
 from tests.helpers import make_tiny_model
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -17,6 +17,16 @@ SYSTEM = {"role": "system", "content": "You are terse."}
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     # a 256-token context: a few turns outgrow it
     return str(make_tiny_model(tmp_path_factory.mktemp("ctx") / "m", "llama", max_position_embeddings=256))
+
+
+def _drain(eng: LLMEngine) -> dict:
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        eng.block_manager.check_invariants()
+    return done
 
 
 def _turn(eng: LLMEngine, cid: str, messages: list[dict[str, str]], max_tokens: int = 16):
@@ -114,3 +124,43 @@ def test_new_conversations_share_a_short_system_prompt_partial_block_included(mo
     ref, *_ = _turn(alone, alone.start_conversation(), [system, {"role": "user", "content": "something else"}])
     assert second.outputs[0].token_ids == ref.outputs[0].token_ids
     assert eng.block_manager.prefix_hits >= second.usage.prompt_tokens - second.usage.prefilled_tokens
+
+
+def test_stop_token_id_is_not_spliced_into_the_next_turn(model_dir: str) -> None:
+    """A reply ended by a stop_token_id keeps that token in token_ids, but chat_text (the text the
+    sequence is said to spell) leaves it out. _chat_tokens strips only an EOS, so the next turn's
+    prompt carries a token that is neither in the rendered history nor in what the user saw."""
+    eng = LLMEngine.from_pretrained(model_dir, block_size=4, num_blocks=64)
+    msgs = [{"role": "user", "content": "hello there"}]
+    first = eng.generate([eng.render_chat(msgs)], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    stop_token = first.outputs[0].token_ids[0]  # greedy: the reply's first token
+
+    conv = eng.start_conversation()
+    rid = eng.submit_turn(conv, msgs, SamplingParams(max_tokens=8, stop_token_ids=[stop_token]))
+    out = _drain(eng)[rid]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == ""
+
+    msgs2 = msgs + [{"role": "assistant", "content": out.outputs[0].text}, {"role": "user", "content": "and?"}]
+    eng.submit_turn(conv, msgs2, SamplingParams(max_tokens=2))
+    prompt2 = eng.conversations[conv].seqs[0].token_ids
+    assert prompt2 == eng.render_chat(msgs2), f"stop token {stop_token} spliced into the next turn's prompt"
+
+
+def test_a_conversation_takes_a_new_turn_right_after_an_abort(model_dir: str) -> None:
+    """Abort and submit in one go (one command batch of the engine thread): the new turn starts,
+    and the aborted one still gets its final output, marked aborted."""
+    eng = LLMEngine.from_pretrained(model_dir, block_size=4, num_blocks=256)
+    conv = eng.start_conversation()
+    first = eng.submit_turn(conv, [5, 6, 7, 8, 9], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.abort(first)
+    history = eng.conversations[conv].seqs[0].token_ids
+    second = eng.submit_turn(conv, history + [10, 11], SamplingParams(max_tokens=4, ignore_eos=True))
+    done = _drain(eng)
+    assert done[first].outputs[0].finish_reason == "abort"
+    assert done[second].outputs[0].finish_reason == "length" and len(done[second].outputs[0].token_ids) == 4
+    assert eng.conversations[conv].request_id is None
+    eng.submit_turn(conv, [5], SamplingParams(max_tokens=50))
+    with pytest.raises(Exception, match="still generating"):  # a turn that is running still refuses
+        eng.submit_turn(conv, [5, 6], SamplingParams(max_tokens=50))

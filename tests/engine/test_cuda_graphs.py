@@ -39,7 +39,7 @@ def test_static_buffers_and_padding_match_the_eager_engine(llama_dir: str) -> No
     eng = LLMEngine.from_pretrained(llama_dir, block_size=4, num_blocks=256, max_num_seqs=8)
     runner = eng.runner
     runner.graphs = graphs = DecodeGraphs(runner.model, max_num_seqs=8, max_blocks_per_seq=64,
-                                          device=runner.device, backend=runner.backend, capture=False)
+                                          device=runner.device, attention=runner.attention, capture=False)
     sizes: list[int] = []
     run = graphs.run
     graphs.run = lambda ids, *a: sizes.append(ids.shape[0]) or run(ids, *a)

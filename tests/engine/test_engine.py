@@ -329,7 +329,7 @@ def test_a_failing_request_does_not_take_down_the_others(llama_dir: str) -> None
     def explode(token_id: int) -> str:
         raise RuntimeError("injected failure")
 
-    eng.groups[bad].seqs[0].detokenizer.append = explode
+    eng.outputs.detokenizer(eng.groups[bad].seqs[0]).append = explode
     done = _drain(eng)
     assert done[bad].error and "injected failure" in done[bad].error
     assert len(done[good].outputs[0].token_ids) == 8 and done[good].error is None
@@ -375,3 +375,92 @@ def test_unseeded_sampling_differs_between_engines_and_an_engine_seed_repeats(ll
 
     assert sample() != sample()
     assert sample(seed=5) == sample(seed=5)
+
+
+def test_cow_copies_with_a_block_both_source_and_destination_are_exact(llama_dir: str) -> None:
+    """copy_blocks' contract (kernels/__init__.py): "A dst block must not also be a src". The Triton
+    kernel copies all pairs in parallel, so a block that is both is read and written concurrently.
+
+    Two forked conversations each copy-on-write their shared partial block in one step. The first
+    CoW leaves the source block held only by a parked conversation; the second sequence's plan does
+    not fit, so the scheduler reclaims that parked conversation, which frees the source block, and
+    the second CoW takes it as its destination: pending_copies == [(1, 4), (3, 1)]."""
+    eng = LLMEngine.from_pretrained(llama_dir, block_size=4, num_blocks=5)
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.submit_turn(eng.start_conversation("B"), [5, 6, 7], p)  # 7 tokens, 6 computed: blocks [full, partial]
+    _drain(eng)
+    eng.submit_turn(eng.start_conversation("D"), [8, 9, 10], p)
+    _drain(eng)
+    assert eng.block_manager.num_free_blocks == 1
+    eng.fork_conversation("B", "A")  # A shares B's partial block, C shares D's
+    eng.fork_conversation("D", "C")
+
+    batches: list[list[tuple[int, int]]] = []
+    real_copy = eng.runner.copy_blocks
+
+    def record(pairs):
+        batches.append(list(pairs))
+        before = {s: eng.runner.k_cache[:, s].clone() for s, _ in pairs}
+        real_copy(pairs)
+        for s, d in pairs:  # every destination got its source's contents from before the copies
+            assert torch.equal(eng.runner.k_cache[:, d], before[s])
+
+    eng.runner.copy_blocks = record
+    q = SamplingParams(max_tokens=1, ignore_eos=True)
+    eng.submit_turn("A", eng.conversations["A"].seqs[0].token_ids + [11], q)
+    eng.submit_turn("C", eng.conversations["C"].seqs[0].token_ids + [12], q)
+    _drain(eng)
+    assert batches, "expected copy-on-write"
+    # The case this test builds: a block freed this step is one copy's source and another's target.
+    assert any({s for s, _ in pairs} & {d for _, d in pairs} for pairs in batches)
+
+
+def test_overlapping_copies_take_the_gather_first_path(llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.model_runner as mr
+
+    eng = LLMEngine.from_pretrained(llama_dir, block_size=4, num_blocks=16)
+    calls = []
+    monkeypatch.setattr(mr, "copy_blocks", lambda *a, **kw: calls.append(kw.get("backend")))
+    eng.runner.copy_blocks([(1, 2), (3, 4)])
+    eng.runner.copy_blocks([(1, 4), (3, 1)])  # block 1 is read and written: never copied in parallel
+    assert calls == [None, "torch"]
+
+
+def test_abort_whose_flush_fails_does_not_leave_a_zombie_sequence(llama_dir: str) -> None:
+    """_finish sets finish_reason before the steps that can raise (detokenizer.flush, then
+    scheduler.remove). abort() is not wrapped like _append_tokens is, so when the flush raises the
+    sequence stays in scheduler.running with finish_reason "abort": the group is reported finished
+    and deleted, but the sequence keeps being scheduled, and the next step's _collect_finished hits
+    `del self.groups[...]` -> KeyError (in EngineThread: fail_all for every other request, each step)."""
+    import contextlib
+
+    eng = LLMEngine.from_pretrained(llama_dir, block_size=4, num_blocks=64)
+    a = eng.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    b = eng.add_request([8, 9, 10], SamplingParams(max_tokens=12, ignore_eos=True))
+    eng.step()
+    seq = eng.groups[a].seqs[0]
+
+    def broken_flush() -> str:
+        raise RuntimeError("injected detokenizer failure")
+
+    eng.outputs.detokenizer(seq).flush = broken_flush
+    with contextlib.suppress(RuntimeError):
+        eng.abort(a)
+    done = _drain(eng)  # KeyError: 'req-0' on the code as reviewed
+    assert seq not in eng.scheduler.running
+    assert done[b].error is None and len(done[b].outputs[0].token_ids) == 12
+    assert eng.block_manager.num_free_blocks == 64
+
+
+def test_num_threads_sets_torch_threads_and_zero_leaves_them(llama_dir: str) -> None:
+    before = torch.get_num_threads()
+    try:
+        LLMEngine.from_pretrained(llama_dir, num_threads=1, num_blocks=16)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        LLMEngine.from_pretrained(llama_dir, num_blocks=16)
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="num_threads"):
+            LLMEngine.from_pretrained(llama_dir, num_threads=-1)
+    finally:
+        torch.set_num_threads(before)

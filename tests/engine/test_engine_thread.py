@@ -166,15 +166,14 @@ def test_an_injected_failure_ends_only_that_request(running) -> None:
     bad = et.submit_turn(et.new_conversation(), chat("doomed"), SamplingParams(max_tokens=20, ignore_eos=True))
     rec.wait(lambda: rec.of(TokenDelta, bad))
 
-    real = eng._append_tokens
+    real = eng.outputs.append
 
-    def sabotage(seqs, tokens):  # runs on the engine thread: break one request's detokenizer
-        for s in seqs:
-            if s.group.request_id == bad:
-                s.detokenizer.append = lambda _t: 1 / 0
-        real(seqs, tokens)
+    def sabotage(seq, token):  # runs on the engine thread: break one request's detokenizing
+        if seq.group.request_id == bad:
+            return 1 / 0
+        return real(seq, token)
 
-    eng._append_tokens = sabotage
+    eng.outputs.append = sabotage
     rec.wait_done(good, bad)
     assert isinstance(rec.finished(bad), EngineError) and "ZeroDivisionError" in rec.finished(bad).message
     assert isinstance(rec.finished(good), Finished) and rec.finished(good).usage.completion_tokens == 20
@@ -241,3 +240,65 @@ def test_a_preempted_turn_is_reported_and_resumes(model_dir: str) -> None:
                    for r in rids)
     finally:
         et.shutdown()
+
+
+def test_failed_recovery_forgets_what_was_in_flight_and_keeps_serving(running) -> None:
+    eng, et, rec = running
+    real_step, real_fail_all = eng.step, eng.fail_all
+    eng.step = lambda: (setattr(eng, "step", real_step), 1 / 0)[1]  # the next step fails once
+    eng.fail_all = lambda message: (setattr(eng, "fail_all", real_fail_all), 1 / 0)[1]  # and so does recovery
+    lost = et.submit_turn(et.new_conversation(), chat("lost"), SamplingParams(max_tokens=50, ignore_eos=True))
+    rec.wait(lambda: any(e.request_id is None and "recovery failed" in e.message for e in rec.of(EngineError)))
+    assert not eng.groups and rec.finished(lost) is None
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks  # nothing leaked
+    again = et.submit_turn(et.new_conversation(), chat("still there?"), SamplingParams(max_tokens=5))
+    rec.wait_done(again)
+    assert isinstance(rec.finished(again), Finished)
+    eng.block_manager.check_invariants()
+
+
+def test_engine_thread_survives_a_step_that_fails_inside_the_scheduler(model_dir: str) -> None:
+    """EngineThread promises to turn an engine bug into errors for the requests in flight and keep
+    serving. A step that raises inside Scheduler.schedule() after popping a sequence from the waiting
+    queue (here: an injected allocator failure; in real life any block-manager assertion) leaves that
+    sequence WAITING but in no queue, so fail_all -> _release -> Scheduler.remove -> deque.remove
+    raises ValueError out of the except handler, and the engine thread dies silently."""
+    import threading
+
+    from engine import EngineError, EngineThread, Finished
+
+    eng = LLMEngine.from_pretrained(model_dir, block_size=4, num_blocks=64)
+    events: list = []
+    done = threading.Condition()
+
+    def on_event(ev) -> None:
+        with done:
+            events.append(ev)
+            done.notify_all()
+
+    real_allocate = eng.block_manager.allocate
+    calls = []
+
+    def allocate_once_broken(seq, plan):
+        calls.append(seq.seq_id)
+        if len(calls) == 1:
+            raise RuntimeError("injected allocator bug")
+        return real_allocate(seq, plan)
+
+    eng.block_manager.allocate = allocate_once_broken
+    et = EngineThread(eng, on_event)
+    et.start()
+    try:
+        msgs = [{"role": "user", "content": "hi"}]
+        first = et.submit_turn(et.new_conversation(), msgs, SamplingParams(max_tokens=3))
+        second = et.submit_turn(et.new_conversation(), msgs, SamplingParams(max_tokens=3))
+
+        def ended(rid):
+            return any(isinstance(e, Finished | EngineError) and e.request_id == rid for e in events)
+
+        with done:
+            done.wait_for(lambda: ended(first) and ended(second), timeout=3.0)
+        assert et.is_alive, "the engine thread died"
+        assert ended(first) and ended(second)
+    finally:
+        et.shutdown(timeout=1.0)

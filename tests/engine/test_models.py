@@ -157,7 +157,7 @@ def test_sharded_checkpoint_was_sharded(tiny_model_factory):
     assert len(set(index["weight_map"].values())) >= 2
 
 
-def test_attention_without_cache_raises():
+def test_attention_without_backend_raises():
     attn = Attention(4, 2, 8, 8**-0.5)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(1, dtype=torch.int64),

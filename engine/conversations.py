@@ -1,0 +1,256 @@
+"""Conversations: a layer on the engine core. A chat's sequence stays parked between turns with
+its blocks; the next turn appends to it, so only tokens past the common prefix are prefilled.
+
+Start, submit a turn (chat-template token reuse, fitting the context), fork (zero-copy), drop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core import ContextLengthError, EngineCore, RequestError
+from engine.loader import ModelSource, Progress, load_model
+from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class Spelled:
+    """What a sequence's tokens spell in the chat template: its turn's prompt text, and once the
+    turn ends the text its prompt + reply spell, with how many tokens spell it (a final stop token
+    does not). Tokens re-encoded from text need not be the ones generated: these keep the KV."""
+
+    prompt_text: str | None
+    chat_text: str | None = None
+    chat_len: int = 0
+
+
+@dataclass
+class Conversation:
+    conversation_id: str
+    seqs: list[Sequence] = field(default_factory=list)  # parked alternatives, or the current turn's
+    request_id: str | None = None  # the turn being generated
+    dropped: int = 0  # oldest messages left out last turn (the window only moves forward)
+    texts: dict[int, Spelled] = field(default_factory=dict)  # seq_id -> what it spells
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    # Binary search on C-level slice comparisons: no per-token Python.
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class LLMEngine(EngineCore):
+    """The engine core plus conversations: the engine's public face."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.conversations: dict[str, Conversation] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls, model: str | ModelSource, progress: Progress | None = None, **overrides
+    ) -> LLMEngine:
+        """`model`: a GGUF file, a Hugging Face folder or hub id, a packaged model, "demo" (or a
+        ModelSource from resolve_model). `progress` gets a line on how far loading is."""
+        config = EngineConfig(model=str(getattr(model, "name", model)), **overrides)
+        loaded = load_model(model, dtype=config.torch_dtype, device=torch.device(config.device), progress=progress)
+        return cls(loaded, config)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._chat_tokens(messages, None)[0]
+
+    def _chat_tokens(self, messages: list[dict[str, str]], conv: Conversation | None) -> tuple[list[int], str]:
+        """Tokens of the chat template rendered for messages (and the rendered text). When the new
+        history starts with exactly what a parked sequence spells (its prompt and reply), its own
+        tokens are kept and only the rest is encoded."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        spelled = [(conv.texts[s.seq_id], s) for s in conv.seqs if s.seq_id in conv.texts] if conv else []
+        # Whole turn first (the next turn), then its prompt alone (a regenerated reply).
+        held = [(t.chat_text, t.chat_len, s) for t, s in spelled]
+        held += [(t.prompt_text, s.num_prompt_tokens, s) for t, s in spelled]
+        for spelled_text, n, seq in held:
+            if spelled_text and text.startswith(spelled_text):
+                rest = self.tokenizer.encode(text[len(spelled_text) :], add_special_tokens=False)
+                return seq.token_ids[:n] + rest, text
+        return self.tokenizer.encode(text, add_special_tokens=False), text
+
+    def start_conversation(self, conversation_id: str | None = None) -> str:
+        cid = conversation_id or self._new_id("conv")
+        if cid in self.conversations:
+            raise RequestError(f"conversation {cid!r} already exists")
+        self.conversations[cid] = Conversation(cid)
+        return cid
+
+    def _conversation(self, cid: str) -> Conversation:
+        try:
+            return self.conversations[cid]
+        except KeyError:
+            raise RequestError(f"unknown conversation {cid!r}") from None
+
+    def submit_turn(
+        self, conversation_id: str, messages: list[dict[str, str]] | list[int],
+        params: SamplingParams | None = None, request_id: str | None = None,
+    ) -> str:  # fmt: skip
+        """Generate the next reply. Only tokens past what the conversation already holds are prefilled;
+        with several parked alternatives, the one matching the new history is kept."""
+        conv = self._conversation(conversation_id)
+        current = self.groups.get(conv.request_id or "")
+        if current is not None:
+            if not self._group_done(current):
+                raise RequestError(f"conversation {conversation_id!r} is still generating")
+            # Aborted, its final output not yet sent: take it now, before the new turn reuses the
+            # conversation's sequence; the next step sends it.
+            self._ended.append(self._end(current))
+        params = params or SamplingParams()
+        dropped = 0
+        if messages and isinstance(messages[0], int):
+            tokens, text = list(messages), None
+        else:
+            tokens, text, dropped = self._fit_chat(messages, conv, params.max_tokens)
+        room = self.max_model_len - len(tokens)
+        clamped = 0 < room < params.max_tokens
+        if clamped:  # a long chat still gets a reply: as long as the context leaves room for
+            params = dataclasses.replace(params, max_tokens=room)
+        self._validate(tokens, params)
+        if not conv.seqs and (donor := self._prefix_donor(tokens)) is not None:
+            # A new conversation that starts like a parked one (the same system prompt) shares its
+            # blocks, the partly filled last one too (copied on write), not only the full blocks
+            # the prefix cache finds: a short system prompt fits in less than one block.
+            child = Sequence(donor.token_ids)
+            self.block_manager.fork(donor, child)
+            self.block_manager.truncate(child, common_prefix_len(child.token_ids, tokens[:-1]))
+            self.block_manager.prefix_queries += len(tokens)  # the panel's hit rate counts this reuse
+            self.block_manager.prefix_hits += child.num_computed_tokens
+            conv.seqs = [child]
+        best, best_len = None, -1
+        for seq in conv.seqs:
+            m = common_prefix_len(seq.token_ids, tokens)
+            if m > best_len:
+                best, best_len = seq, m
+        for seq in conv.seqs:
+            if seq is not best:
+                self.scheduler.release(seq)
+        if best is None:
+            best = Sequence(tokens)
+        else:
+            # Drop what the new history does not share (an edit, a re-rendered template, the
+            # alternatives not chosen); keep at least the last token to compute.
+            self.block_manager.truncate(best, min(best_len, len(tokens) - 1))
+            best.token_ids += tokens[len(best) :]
+        conv.texts[best.seq_id] = Spelled(text)
+        request_id = self.add_request(tokens, params, request_id, conversation_id=conversation_id, seq=best)
+        group = self.groups[request_id]
+        # The same list: samples forked later belong to the conversation too.
+        conv.request_id, conv.seqs, conv.texts = request_id, group.seqs, {best.seq_id: conv.texts[best.seq_id]}
+        group.dropped_messages, group.max_tokens_clamped = dropped, clamped
+        conv.dropped = dropped
+        return request_id
+
+    def _prefix_donor(self, tokens: list[int]) -> Sequence | None:
+        """The parked sequence whose computed tokens share the longest prefix with `tokens`, if
+        that reaches into a block the prefix cache cannot give (a partly filled or uncached one)."""
+        if not self.config.enable_prefix_caching:
+            return None
+        best, best_len = None, 0
+        for seq in self.scheduler.parked.values():
+            m = common_prefix_len(seq.token_ids[: seq.num_computed_tokens], tokens[:-1])
+            if m > best_len:
+                best, best_len = seq, m
+        return best if best_len >= max(1, self.block_manager.block_size // 2) else None  # less: not worth a copy
+
+    def _fit_chat(
+        self, messages: list[dict[str, str]], conv: Conversation, max_tokens: int
+    ) -> tuple[list[int], str, int]:
+        """The chat's tokens with the oldest turns left out until it fits the context, leaving
+        room for a reply (a quarter of the context at most). The system prompt always stays.
+
+        The window moves forward only: a turn drops at least what the last one did, and when it
+        must drop more it frees half the context, so the next turns append to the kept part and
+        reuse its KV instead of shifting (and recomputing) the window every turn."""
+        limit = self.max_model_len
+        reserve = min(max_tokens, max(1, limit // 4))
+        system = messages[:1] if messages and messages[0].get("role") == "system" else []
+        rest = messages[len(system):]
+        last = max(len(rest) - 1, 0)  # the new message itself is never dropped
+        dropped = min(conv.dropped, last)
+        tokens, text = self._chat_tokens(system + rest[dropped:], conv)
+        target = limit - reserve
+        while len(tokens) > target and dropped < last:
+            target = min(target, limit // 2)
+            dropped += 1
+            while dropped < last and rest[dropped].get("role") != "user":  # start with a user turn
+                dropped += 1
+            tokens, text = self._chat_tokens(system + rest[dropped:], conv)
+        if len(tokens) >= limit:
+            what = "the message" if dropped == last and rest else "the prompt"
+            raise ContextLengthError(
+                f"{what} is {len(tokens)} tokens with the chat template{' and system prompt' if system else ''}; "
+                f"the context holds {limit} (prompt + reply): shorten it"
+            )
+        return tokens, text, dropped
+
+    def fork_conversation(self, conversation_id: str, new_id: str | None = None) -> str:
+        """A new conversation sharing every computed block of the source: zero-copy."""
+        src = self._conversation(conversation_id)
+        cid = self.start_conversation(new_id)
+        conv = self.conversations[cid]
+        conv.dropped = src.dropped
+        for parent in src.seqs:
+            child = Sequence(parent.token_ids)
+            child.owner = cid
+            if parent.status is SequenceStatus.PARKED:  # a finished turn: what it spells still holds
+                child.num_prompt_tokens = parent.num_prompt_tokens
+                if parent.seq_id in src.texts:
+                    conv.texts[child.seq_id] = dataclasses.replace(src.texts[parent.seq_id])
+            self.block_manager.fork(parent, child)
+            self.scheduler.park(child)
+            conv.seqs.append(child)
+        return cid
+
+    def drop_conversation(self, conversation_id: str) -> None:
+        conv = self.conversations.pop(conversation_id, None)
+        if conv is None:
+            return
+        if conv.request_id is not None:
+            self.abort(conv.request_id)
+            self.groups.pop(conv.request_id, None)
+            self.outputs.requests.pop(conv.request_id, None)
+        for seq in conv.seqs:
+            self.scheduler.release(seq)
+
+    # ------------------------------------------------------------------ hooks of the core
+    def _parks(self, group: SequenceGroup) -> bool:
+        return group.conversation_id in self.conversations
+
+    def _finished(self, seq: Sequence, text: str, cut_by_stop_string: bool) -> None:
+        conv = self.conversations.get(seq.group.conversation_id)
+        if conv is None:
+            return
+        first = conv.texts.get(seq.group.seqs[0].seq_id)  # n samples share their turn's prompt
+        prompt = first.prompt_text if first else None
+        spelled = prompt is not None and not cut_by_stop_string
+        last = seq.token_ids[-1]
+        n = len(seq) - (last in self.eos_token_ids or last in seq.group.params.stop_token_ids)
+        conv.texts[seq.seq_id] = Spelled(prompt, prompt + text if spelled else None, n)
+
+    def _failed(self, group: SequenceGroup) -> None:
+        conv = self.conversations.get(group.conversation_id)
+        if conv is not None:  # it recomputes from the prompt next turn
+            conv.seqs = [Sequence(group.seqs[0].token_ids[: group.prompt_len])]
+            conv.seqs[0].status = SequenceStatus.PARKED
+            conv.texts = {}
+
+    def _ended_group(self, group: SequenceGroup) -> None:
+        conv = self.conversations.get(group.conversation_id)
+        if conv is not None and conv.request_id == group.request_id:
+            conv.request_id = None

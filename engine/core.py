@@ -1,0 +1,377 @@
+"""EngineCore: requests in, outputs out, one step at a time (schedule -> run -> sample -> update ->
+outputs). Conversations are a layer on top (engine/conversations.py)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager, cdiv
+from engine.config import EngineConfig
+from engine.events import CacheSnapshot
+from engine.loader import LoadedModel
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor, RequestOutput
+from engine.sampler import Sampler, SamplingTensors, make_generator
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (too long, too big for the pool, empty, ...)."""
+
+    code = "invalid_request"
+
+
+class ContextLengthError(RequestError):
+    """A prompt (a chat's last message, with the system prompt) longer than the context."""
+
+    code = "context_length_exceeded"
+
+
+@dataclass
+class EngineInfo:
+    name: str
+    is_demo: bool
+    device: str
+    dtype: str
+    backend: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's own sampling settings
+    generation_source: str = ""  # "generation_config.json", "GGUF metadata" or "" (none)
+    kv_block_bytes: int = 0  # one block's K and V, all layers
+
+
+@dataclass
+class StepStats:
+    """One step, for the per-step stats hook `LLMEngine.on_step` (the bench). Times in seconds
+    (the device synchronised at each boundary while a hook is set); blocks right after scheduling,
+    when a step holds the most (finished sequences free theirs later in the step)."""
+
+    num_seqs: int
+    num_decodes: int
+    num_tokens: int  # tokens computed this step
+    context_tokens: int  # sum over the batch of each sequence's context after this step
+    used_blocks: int  # blocks in use
+    held_blocks: int  # the same holders' blocks if nothing were shared (sum of block tables)
+    schedule_s: float
+    prepare_s: float  # model inputs and attention metadata
+    model_s: float  # forward + logits (+ copy-on-write copies)
+    sample_s: float  # advance, n-sample forks, sampling
+
+
+def _penalised(seq: Sequence) -> list[int]:
+    """The tokens a repetition penalty looks at (see SamplingParams.repetition_window)."""
+    window = seq.group.params.repetition_window
+    if window is None:
+        return seq.token_ids
+    return seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window):]
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded, self.config, self.tokenizer = loaded, config, loaded.tokenizer
+        device, dtype = torch.device(config.device), config.torch_dtype
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        block_bytes = ModelRunner.kv_bytes_per_block(
+            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, config.block_size, dtype
+        )
+        num_blocks = config.resolve_num_blocks(block_bytes)
+        self.kv_block_bytes = block_bytes
+        self.max_model_len = min(loaded.max_model_len, num_blocks * config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            loaded.model, num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads,
+            head_dim=loaded.head_dim, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
+            device=device, backend=config.attention_backend,
+        )  # fmt: skip
+        if config.cuda_graphs:
+            self.runner.capture_decode_graphs(config.max_num_seqs, cdiv(self.max_model_len, config.block_size))
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.groups: dict[str, SequenceGroup] = {}
+        self.on_step: Callable[[StepStats], None] | None = None  # per-step stats hook (the bench)
+        self._ids = itertools.count()
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) for tokens/s
+        self._ended: list[RequestOutput] = []  # final outputs taken before a step, sent with the next
+        # Unseeded requests draw from torch's global RNG, whose start-up seed is a constant:
+        # reseed it from the OS so the same first message gets a different reply each launch.
+        if config.seed is None:
+            torch.seed()
+        else:
+            torch.manual_seed(config.seed)
+
+    @property
+    def info(self) -> EngineInfo:
+        c = self.config
+        return EngineInfo(
+            name=self.loaded.name, is_demo=self.loaded.is_demo, device=c.device,
+            dtype=str(c.torch_dtype).removeprefix("torch."), backend=c.attention_backend,
+            num_blocks=self.block_manager.num_blocks, block_size=c.block_size, max_model_len=self.max_model_len,
+            generation_defaults=dict(self.loaded.generation_defaults), generation_source=self.loaded.generation_source,
+            kv_block_bytes=self.kv_block_bytes,
+        )  # fmt: skip
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens computed by prefill over the engine's life (a bench figure)."""
+        return self.scheduler.prefill_tokens
+
+    # ------------------------------------------------------------------ requests
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        n_prompt, limit = len(token_ids), self.max_model_len
+        if n_prompt == 0:
+            raise RequestError("the prompt is empty: nothing to generate from")
+        if n_prompt >= limit:
+            raise ContextLengthError(f"the prompt is {n_prompt} tokens; the context holds {limit} (prompt + reply)")
+        if n_prompt + params.max_tokens > limit:
+            raise RequestError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                f"{limit} tokens; lower max_tokens to at most {limit - n_prompt}"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise RequestError(f"n={params.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
+        vocab = self.loaded.config.vocab_size
+        if max(token_ids) >= vocab or min(token_ids) < 0:
+            raise RequestError(f"token ids must be in [0, {vocab})")
+        # Worst case for the group alone: the shared full prompt blocks once, the rest per sample.
+        per_seq = cdiv(n_prompt + params.max_tokens, self.config.block_size)
+        need = per_seq + (params.n - 1) * (per_seq - n_prompt // self.config.block_size)
+        if need > self.block_manager.num_blocks:
+            raise RequestError(
+                f"n={params.n} samples of {n_prompt}+{params.max_tokens} tokens need up to {need} KV blocks; "
+                f"the pool has {self.block_manager.num_blocks} (lower n or max_tokens, or raise the KV budget)"
+            )
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        *, conversation_id: str | None = None, seq: Sequence | None = None,
+    ) -> str:  # fmt: skip
+        """Queue a request; `seq` (a conversation's parked sequence) is reused with its blocks."""
+        params = params or SamplingParams()
+        request_id = request_id or self._new_id("req")
+        if request_id in self.groups:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = seq or Sequence(self.encode(prompt))
+        self._validate(seq.token_ids, params)
+        group = SequenceGroup(request_id, [seq], params, conversation_id=conversation_id, prompt_len=len(seq))
+        seq.group, seq.index, seq.owner = group, 0, conversation_id or request_id
+        seq.num_prompt_tokens, seq.finish_reason, seq.finish_time, seq.generator = len(seq), None, None, None
+        self.groups[request_id] = group
+        self.outputs.add(group)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        group = self.groups.get(request_id)
+        if group is not None:
+            try:
+                for seq in group.seqs:
+                    if not seq.is_finished and seq.status is not SequenceStatus.PARKED:
+                        self._finish(seq, "abort")
+            except Exception as e:  # e.g. its detokenizer's flush: end the request with the error
+                self._fail(group, f"{type(e).__name__}: {e}")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups or self._ended)
+
+    # ------------------------------------------------------------------ hooks of a layer on top (conversations)
+    def _parks(self, group: SequenceGroup) -> bool:  # does a finished sequence keep its blocks?
+        return False
+
+    def _finished(self, seq: Sequence, text: str, cut_by_stop_string: bool) -> None: ...
+
+    def _failed(self, group: SequenceGroup) -> None: ...  # its sequences are released already
+
+    def _ended_group(self, group: SequenceGroup) -> None: ...  # its final output was taken
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        timed = self.on_step is not None
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return self._collect([])
+        groups = list({s.group.request_id: s.group for s in batch.seqs}.values())
+        t1 = time.perf_counter()
+        stats = self._stats(batch, t1 - t0) if timed else None
+        try:
+            logits = self.runner.run(batch, sync=timed)  # copy-on-write copies first, then the forward
+            t2 = time.perf_counter()
+            rows, seqs = self.scheduler.advance(batch)
+            if len(rows) != len(logits):  # n > 1 groups forked: their rows repeat
+                logits = logits[rows]
+            tokens = self._sample(logits, seqs) if seqs else []
+        except Exception as e:  # the batch is lost, the engine is not: its requests end with the error
+            for group in groups:
+                self._fail(group, f"{type(e).__name__}: {e}")
+            return self._collect([])
+        t3 = time.perf_counter()
+        self._update(seqs, tokens)
+        if stats is not None:
+            stats.prepare_s = self.runner.last_prepare_s
+            stats.model_s, stats.sample_s = t2 - t1 - stats.prepare_s, t3 - t2
+            self.on_step(stats)
+        return self._collect(groups)
+
+    def _stats(self, batch: ScheduledBatch, schedule_s: float) -> StepStats:
+        bm = self.block_manager
+        return StepStats(
+            len(batch), batch.num_decodes, sum(batch.num_tokens),
+            sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_tokens)),
+            bm.num_blocks - bm.num_free_blocks, sum(len(s.block_table) for s in bm.holders.values()),
+            schedule_s, 0.0, 0.0, 0.0,
+        )  # fmt: skip
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        params = [s.group.params for s in seqs]
+        for s, p in zip(seqs, params):  # a seeded sample's own stream, from its first token on
+            if s.generator is None and not p.greedy and p.seed is not None:
+                s.generator = make_generator(p.seed, s.index, self.runner.device)
+        st = SamplingTensors.build(params, [s.generator for s in seqs], logits.device)
+        seen = [_penalised(s) for s in seqs] if any(p.repetition_penalty != 1.0 for p in params) else None
+        return self.sampler(logits, st, seen).tolist()
+
+    def _update(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        self._recent.append((time.monotonic(), len(tokens)))
+        for seq, token in zip(seqs, tokens):
+            if seq.group.error is not None:
+                continue  # failed this step (e.g. a sibling sample): its tokens are dropped
+            reason = self.scheduler.append_token(seq, token, self.eos_token_ids, self.max_model_len)
+            try:
+                if reason != "stop" and self.outputs.append(seq, token):
+                    reason = "stop"  # a stop string beats the length limit
+                if reason is not None:
+                    self._finish(seq, reason)
+            except Exception as e:  # one request's failure (e.g. its detokenizer) ends only that request
+                self._fail(seq.group, f"{type(e).__name__}: {e}")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.finish_reason is not None:
+            return
+        self.scheduler.finish(seq, reason, park=self._parks(seq.group))
+        self._finished(seq, *self.outputs.finish(seq, reason))
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request in flight with an error (after an unexpected engine failure)."""
+        for group in list(self.groups.values()):
+            self._fail(group, message)
+        return self._collect([])
+
+    def recover(self, message: str) -> list[RequestOutput]:
+        """After an engine failure: end every request with an error; if even that fails, forget
+        them (they get no final output) so the engine can serve new requests."""
+        try:
+            return self.fail_all(message)
+        except Exception:
+            for group in self.groups.values():
+                for seq in group.seqs:
+                    try:  # best effort: give back what can be given back
+                        self.scheduler.release(seq)
+                    except Exception:
+                        pass
+            self.groups.clear()
+            self.outputs.requests.clear()
+            self._ended.clear()
+            raise
+
+    def _fail(self, group: SequenceGroup, message: str) -> None:
+        """End one request with an error; its sequences' blocks go back."""
+        group.error = message
+        for seq in group.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+            self.scheduler.release(seq)
+        self._failed(group)
+
+    def _collect(self, touched: list[SequenceGroup]) -> list[RequestOutput]:
+        outputs, self._ended = self._ended, []
+        touched_ids = {g.request_id for g in touched}
+        for group in touched:
+            outputs.append(self._end(group) if self._group_done(group) else self.outputs.output(group, False))
+        # Aborted groups that were not scheduled this step still need their final output.
+        for rid, group in list(self.groups.items()):
+            if rid not in touched_ids and self._group_done(group):
+                outputs.append(self._end(group))
+        return outputs
+
+    def _end(self, group: SequenceGroup) -> RequestOutput:
+        """The finished group's final output; it leaves the engine."""
+        del self.groups[group.request_id]
+        self._ended_group(group)
+        return self.outputs.output(group, True)
+
+    @staticmethod
+    def _group_done(group: SequenceGroup) -> bool:
+        if group.error is not None:
+            return True
+        # An aborted group may never have forked its n-1 siblings.
+        forked = len(group.seqs) == group.params.n or group.seqs[0].finish_reason in ("abort", "error")
+        return forked and all(s.finish_reason for s in group.seqs)
+
+    # ------------------------------------------------------------------ batch API
+    def generate(
+        self, prompts: Seq[str] | Seq[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def preempted_requests(self) -> set[str]:
+        """Requests with a sample sent back to wait for KV memory after it had begun (preempted)."""
+        return {s.group.request_id for s in self.scheduler.waiting if s.num_output_tokens and s.group is not None}
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [len, vocab] at every position of token_ids, from one prefill through the
+        engine's own paged path (in fresh blocks, freed after): to compare with other
+        implementations. Not while requests run (it takes blocks they may need)."""
+        if self.has_unfinished_requests():
+            raise RequestError("score() needs an idle engine")
+        seq = Sequence(token_ids)
+        self.block_manager.append_slots(seq, len(seq))
+        try:
+            return self.runner.run(ScheduledBatch([seq], [len(seq)], 0), all_logits=True)
+        finally:
+            self.block_manager.free(seq)
+
+    # ------------------------------------------------------------------ introspection
+    def tokens_per_s(self, window: float = 2.0) -> float:
+        now = time.monotonic()
+        while self._recent and now - self._recent[0][0] > window:
+            self._recent.popleft()
+        if not self._recent:
+            return 0.0
+        return sum(n for _, n in self._recent) / max(now - self._recent[0][0], 1e-3)
+
+    def cache_snapshot(self) -> CacheSnapshot:
+        bm, sched = self.block_manager, self.scheduler
+        state, refcount, owners = bm.block_states()
+        return CacheSnapshot(
+            num_blocks=bm.num_blocks, block_size=bm.block_size, state=tuple(state), refcount=tuple(refcount),
+            owners=tuple(owners), num_running=len(sched.running), num_waiting=len(sched.waiting),
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, cow_copies=bm.cow_copies,
+            preemptions=sched.preemptions, tokens_per_s=self.tokens_per_s(), time=time.monotonic(),
+        )  # fmt: skip
