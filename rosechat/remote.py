@@ -172,11 +172,13 @@ class RemoteBackend:
         """Every turn ends here, once: finished, aborted (its text so far kept) or failed."""
         self._tasks.pop(turn.request_id, None)
         self._turns.pop(turn.request_id, None)
+        self._wake.set()  # the panel shows the server as the turn left it
         if turn.silent:
             return
         error = None if task.cancelled() else task.exception()
         if error is not None:
-            self._emit(EngineError(turn.request_id, turn.conversation_id, describe(error, self.base_url),
+            message = describe(error, self.base_url, mid_reply=any(turn.chunks))
+            self._emit(EngineError(turn.request_id, turn.conversation_id, message,
                                    getattr(error, "code", None) or "remote_error"))
             return
         now = time.monotonic()
@@ -207,7 +209,8 @@ class RemoteBackend:
         if missing and params.n > 1:
             await asyncio.gather(*(self._stream(turn, messages, params, [i]) for i in missing))
         if None in turn.reasons:  # a stream cut without a finish reason: the server went away
-            raise RemoteError(f"the server at {self.base_url} closed the reply before it ended")
+            raise RemoteError(f"the server at {self.base_url} went away mid-reply (the stream ended without a "
+                              "finish reason); the text so far is kept")
 
     async def _first_model(self) -> str:
         models = await self._client.models.list()
@@ -300,8 +303,11 @@ def _add_usage(old: Usage | None, new: Any) -> Usage:
     return Usage(old.prompt_tokens, old.prefilled_tokens + prompt - cached, old.completion_tokens + completion)
 
 
-def describe(error: BaseException, url: str) -> str:
+def describe(error: BaseException, url: str, mid_reply: bool = False) -> str:
     """One line a user can act on."""
+    if mid_reply and isinstance(error, openai.APIConnectionError):
+        cause = error.__cause__ or error
+        return f"the server at {url} went away mid-reply ({type(cause).__name__}); the text so far is kept"
     if isinstance(error, openai.APITimeoutError):
         return f"the server at {url} did not answer in time"
     if isinstance(error, openai.APIConnectionError):

@@ -190,9 +190,12 @@ class ChatTab(TabPane):
         return await self.start_reply(params)
 
     async def regenerate(self, params: SamplingParams) -> str | None:
-        """Sample the last reply again (``params.n`` alternatives, shown in its place)."""
+        """Sample the last reply again (``params.n`` alternatives, shown in its place), or retry a
+        last message whose reply failed (a server that was down)."""
         last = self.last_assistant()
         if last is None:
+            if self.messages and self.messages[-1].in_context:
+                return await self.start_reply(params)
             self.notify("No reply to regenerate yet.")
             return None
         self.messages.pop()  # the prompt is everything before it
