@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine import demo
+from engine import demo, quant
 from engine.gguf_file import GGUFModel, find_in_folder, is_gguf
 from engine.models import get_model_class
 from engine.models.layers import MergedLinear
+from engine.quant import MODES as QUANT_MODES
 
 # what a model folder needs from the hub (no .bin / .pth / onnx duplicates)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
@@ -65,6 +66,7 @@ class ModelSource:
     kind: str  # "demo", "hf" (a folder with config.json) or "gguf"
     path: Path | None = None
     gguf: GGUFModel | None = None  # the opened file (its metadata is read once)
+    quantization: str = "none"  # load_model's default for it: none | auto | int8 | int4 (engine/quant.py)
 
     @property
     def display_name(self) -> str:
@@ -97,17 +99,26 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load `model` (a name for resolve_model, or what it returned). Raises ModelNotFoundError
-    when it is nowhere, ValueError (WeightLoadError, GGUFError) when it cannot be loaded."""
+    when it is nowhere, ValueError (WeightLoadError, GGUFError) when it cannot be loaded.
+
+    `quantization` (engine/quant.py): "none" dequantizes a GGUF file's weights to `dtype`; "int4" /
+    "int8" keep every linear layer (and a tied head's embedding) packed; "auto" keeps each GGUF
+    tensor's precision class (Q4 -> int4, Q8_0 -> int8, float -> dense). None: the source's own
+    setting (ModelSource.quantization, "none" unless set)."""
     source = model if isinstance(model, ModelSource) else resolve_model(str(model))
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     say = progress or (lambda _: None)
+    quantization = quantization or source.quantization
+    if quantization not in QUANT_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANT_MODES)}; got {quantization!r}")
     if source.kind == "demo":
         return _load_demo(source.name, dtype, device)
     if source.kind == "gguf":
-        return _load_gguf(source, dtype, device, say)
+        return _load_gguf(source, dtype, device, say, quantization)
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -124,16 +135,22 @@ def load_model(
     return loaded
 
 
-def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, say: Progress) -> LoadedModel:
+def _load_gguf(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, say: Progress, quantization: str = "none"
+) -> LoadedModel:
     gguf = source.gguf or GGUFModel(source.path)
     config, tokenizer = gguf.config_and_tokenizer(say)
-    net = build_model(config, dtype, device)
+    net = build_model(config, dtype, torch.device("meta"))
+    raw = _plan_packing(net, config, gguf, quantization, device, dtype)
+    net = net.to_empty(device=device).requires_grad_(False)
     size = source.path.stat().st_size / 2**20
 
     def step(done: int, total: int) -> None:
         if done == total or done * 20 // total != (done - 1) * 20 // total:  # every 5 %
             say(f"weights {done * 100 // total}% of a {size:.0f} MiB file")
-    load_weights(net, gguf.iter_tensors(net, config, step), where=source.path.name)
+    load_weights(net, gguf.iter_tensors(net, config, step, raw=raw), where=source.path.name)
+    if raw:
+        quant.release_freed_memory()
     if (factors := gguf.rope_factors()) is not None:  # only Llama-family files carry them
         try:
             net.model.rotary.divide_frequencies(factors)
@@ -145,6 +162,45 @@ def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, sa
     loaded.generation_defaults = gguf.sampling_defaults()
     loaded.generation_source = "GGUF metadata" if loaded.generation_defaults else ""
     return loaded
+
+
+def _plan_packing(
+    net: nn.Module, config: Any, gguf: GGUFModel, quantization: str, device: torch.device, dtype: torch.dtype
+) -> set[str]:
+    """Swap the modules `quantization` packs into packed ones (the model is still on meta) and
+    return the checkpoint names to read as raw GGUF blocks."""
+    if quantization == "none":
+        return set()
+    if device.type != "cpu" or not quant.kernels_available():
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only (torch's weight-only kernels); "
+                         f"use quantization 'none' on {device}")
+    if gguf.arch == "gpt2":
+        if quantization == "auto":
+            return set()
+        raise ValueError("packed weights are not supported for GPT-2 models yet: use quantization 'none' or 'auto'")
+    packable = set(quant.packable_modules(net))
+    if getattr(net, "lm_head", None) is None:  # tied: the embedding is the head
+        packable.discard("lm_head")
+    else:  # the head has its own weight: the embedding only looks rows up, keep it dense
+        packable = {n for n in packable if not n.endswith("embed_tokens")}
+    modes: dict[str, str] = {}
+    raw: set[str] = set()
+    for hf, type_name in gguf.tensor_types(net, config).items():
+        target = net.weight_target(hf)
+        if target is None or not target[0].endswith(".weight"):
+            continue
+        module = target[0].rpartition(".")[0]
+        if module not in packable:
+            continue
+        mode = quant.auto_mode(type_name) if quantization == "auto" else quantization
+        if mode == "none":
+            continue
+        if modes.get(module) not in (None, mode):  # shards of mixed classes (Q4_K_M's v): the wider
+            mode = "int8"
+        modes[module] = mode
+        raw.add(hf)
+    quant.swap_in_packed(net, modes, dtype)
+    return raw
 
 
 def resolve_model(model: str) -> ModelSource:
@@ -309,6 +365,7 @@ def load_weights(
     for GPT-2's Conv1D) and check that every parameter was filled. `checkpoint` is a safetensors
     folder, or (Hugging Face name, tensor, file name) triples from another format."""
     params = dict(model.named_parameters())
+    packed = quant.packed_modules(model)  # modules whose weight stays packed (engine/quant.py)
     loaded: dict[str, set[int | None]] = {}
     arch = type(model).__name__
     if isinstance(checkpoint, (str, Path)):
@@ -318,6 +375,16 @@ def load_weights(
         if target is None:
             continue
         param_name, shard, transpose = target
+        module_name, _, leaf = param_name.rpartition(".")
+        if leaf == "weight" and module_name in packed:
+            module = packed[module_name]
+            try:
+                module.load_shard(shard, tensor.t() if transpose and isinstance(tensor, Tensor) else tensor)
+            except ValueError as e:
+                raise WeightLoadError(f"tensor {name!r} in {file} does not fit {param_name}: {e}") from e
+            if not module.missing_shards():
+                module.finish()  # packed as soon as complete: the staged shards go at once
+            continue
         param = params.get(param_name)
         if param is None:
             raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {arch} has no parameter {param_name!r}")
@@ -350,11 +417,17 @@ def load_weights(
         for part, (merged, shard) in getattr(model, "packed_modules", {}).items():
             if merged == parts[-2] and shard not in loaded.get(param_name, set()):
                 missing.append(".".join([*parts[:-2], part, parts[-1]]))
+    for module_name, module in packed.items():
+        sizes = getattr(module, "output_sizes", [0])
+        for shard in module.missing_shards():
+            missing.append(f"{module_name}.weight" + (f" (shard {shard})" if len(sizes) > 1 else ""))
     if missing:
         raise WeightLoadError(
             f"checkpoint {where} lacks {len(missing)} tensor(s) that {arch} needs: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
+    for module in packed.values():
+        module.finish()  # pack once; the staged shards are dropped
 
 
 def _merged_module(model: nn.Module, param_name: str) -> MergedLinear | None:

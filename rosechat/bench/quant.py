@@ -129,8 +129,105 @@ def render(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# --- whole model: resident memory and decode speed per quantization ------------------------------
+
+_CHILD = """
+import json, sys
+from rosechat.bench.quant import _child
+print("RESULT " + json.dumps(_child(*sys.argv[1:])))
+"""
+
+
+def _status() -> dict[str, int]:
+    keys = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+    with open("/proc/self/status") as f:
+        return {line.split(":")[0]: int(line.split()[1]) << 10 for line in f if line.startswith(keys)}
+
+
+def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: str, streams: str) -> dict:
+    """One system in a fresh process (its memory is its own): load, then decode greedily."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.loader import load_model, resolve_model
+    from engine.quant import packed_bytes
+
+    torch.set_num_threads(int(threads))
+    source = resolve_model(model)
+    if source.gguf is not None:
+        source.gguf.config_and_tokenizer()  # converted once and cached: not part of the weights
+    before = _status()
+    start = time.perf_counter()
+    loaded = load_model(source, quantization=mode)
+    load_s = time.perf_counter() - start
+    after = _status()
+    n_prompt, n_new, n_streams = int(prompt_tokens), int(new_tokens), int(streams)
+    engine = LLMEngine(loaded, EngineConfig(model=loaded.name, block_size=16,
+                                            num_blocks=n_streams * (-(-(n_prompt + n_new) // 16) + 1) + 4))
+    text = "Tell me a long story about a cat who sails around the world and the friends she meets. " * 8
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)[:n_prompt]
+    params = SamplingParams(max_tokens=n_new, ignore_eos=True)
+    engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    for i in range(n_streams):
+        engine.add_request([*ids[:-1], ids[-1] + i], params)
+    t0 = time.perf_counter()
+    first = None
+    done = 0
+    while done < n_streams:
+        outputs = engine.step()
+        if first is None and any(o.outputs[0].token_ids for o in outputs):
+            first = time.perf_counter()
+        done += sum(1 for o in outputs if o.finished)
+    end = time.perf_counter()
+    return {
+        "mode": mode, "load_s": round(load_s, 2), "file_bytes": source.path.stat().st_size if source.path else 0,
+        "packed_bytes": packed_bytes(loaded.model),
+        "dense_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
+        "rss_before": before, "rss_after": after,
+        "prefill_tok_s": round(n_streams * n_prompt / (first - t0), 1),
+        "decode_tok_s": round(n_streams * (n_new - 1) / (end - first), 1),
+        "streams": n_streams, "threads": int(threads),
+    }
+
+
+def run_decode(model: str, modes: list[str], threads: int, prompt_tokens: int, new_tokens: int,
+               streams: list[int]) -> list[dict]:
+    import subprocess
+    import sys
+
+    results = []
+    for n in streams:
+        for mode in modes:
+            out = subprocess.run(
+                [sys.executable, "-c", _CHILD, model, mode, str(threads), str(prompt_tokens), str(new_tokens), str(n)],
+                capture_output=True, text=True, timeout=1800)
+            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if out.returncode or not line:
+                raise RuntimeError(f"{mode}: the child failed:\n{out.stderr[-2000:]}")
+            results.append(json.loads(line[-1][len("RESULT "):]))
+    return results
+
+
+def render_decode(results: list[dict]) -> str:
+    mib = 2**20
+    head = (f"{'quantization':<14}{'streams':>8}{'load s':>8}{'weights MiB':>13}{'+RssAnon MiB':>14}"
+            f"{'+RSS MiB':>10}{'RSS/file':>10}{'prefill tok/s':>15}{'decode tok/s':>14}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        anon = r["rss_after"]["RssAnon"] - r["rss_before"]["RssAnon"]
+        rss = r["rss_after"]["VmRSS"] - r["rss_before"]["VmRSS"]
+        weights = r["packed_bytes"] + r["dense_bytes"]
+        ratio = rss / r["file_bytes"] if r["file_bytes"] else float("nan")
+        lines.append(f"{r['mode']:<14}{r['streams']:>8}{r['load_s']:>8.1f}{weights / mib:>13.0f}{anon / mib:>14.0f}"
+                     f"{rss / mib:>10.0f}{ratio:>10.2f}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rosechat bench quant", description=__doc__.split("\n\n")[0])
+    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    if argv[:1] == ["decode"]:
+        return main_decode(argv[1:])
+    p = argparse.ArgumentParser(prog="rosechat bench quant", description=__doc__.split("\n\n")[0],
+                                epilog="`rosechat bench quant decode --help`: the whole model per quantization "
+                                "(resident memory after load, single-stream decode tok/s)")
     p.add_argument("--rows", default="1,8", help="comma-separated row counts (tokens per step)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
@@ -151,6 +248,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
               f"{args.threads} thread(s), load average {load:.2f}; us per call, min of {args.repeats}, cache-cold")
         print(render(results))
+    return 0
+
+
+def main_decode(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rosechat bench quant decode",
+                                description="Each quantization in a fresh process: resident memory after load "
+                                "(against the file size) and greedy decode tok/s.")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a .gguf file or a packaged model")
+    p.add_argument("--quantization", default="none,auto,int8", help="comma-separated: none, auto, int8, int4")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--prompt-tokens", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--streams", default="1", help="comma-separated numbers of concurrent greedy streams")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    results = run_decode(args.model, args.quantization.split(","), args.threads, args.prompt_tokens,
+                         args.max_tokens, [int(n) for n in args.streams.split(",")])
+    load = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps({"model": args.model, "load1": load, "results": results}))
+    else:
+        print(f"{args.model}: {args.threads} thread(s), {args.prompt_tokens}-token prompt, {args.max_tokens} new "
+              f"tokens, greedy; load average {load:.2f}. +RSS: resident memory the load adds (+RssAnon: "
+              "the weights; the rest is the file's mapped pages)")
+        print(render_decode(results))
     return 0
 
 
