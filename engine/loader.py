@@ -151,6 +151,7 @@ def _load_gguf(
     load_weights(net, gguf.iter_tensors(net, config, step, raw=raw), where=source.path.name)
     if raw:
         quant.release_freed_memory()
+        quant.drop_mapped_pages(gguf.reader.data)  # every packed weight is a copy: none reads the map
     if (factors := gguf.rope_factors()) is not None:  # only Llama-family files carry them
         try:
             net.model.rotary.divide_frequencies(factors)

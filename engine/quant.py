@@ -35,11 +35,12 @@ import torch
 from torch import Tensor, nn
 
 GROUP = 32  # int4 group size: one GGUF Q4_0/Q4_1/Q8_0 block
+_CHUNK_ROWS = 4096  # rows requantized at a time
 MODES = ("auto", "none", "int8", "int4")
 COMPUTE_DTYPE = torch.bfloat16  # the activations the CPU kernels are fast with
 
 # GGUF block types that map exactly onto a packed form, by name (gguf.GGMLQuantizationType)
-_INT4_EXACT = ("Q4_0", "Q4_1")
+_INT4_EXACT = ("Q4_0", "Q4_1", "Q4_K")
 _INT8_NATIVE = ("Q8_0",)
 # the precision class a file's tensor keeps under quantization="auto"
 _AUTO_CLASS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8",
@@ -95,12 +96,32 @@ def _nibbles(qs: Tensor) -> Tensor:
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
 
 
+def _q4_k(data: Tensor, out_f: int, in_f: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_K super-blocks (256 weights, 144 bytes: d, dmin, 12 bytes of 6-bit scales and mins for
+    8 sub-blocks of 32, 128 bytes of nibbles): sub-block j is `d * sc_j * q - dmin * m_j`."""
+    d, dmin = _f16(data, 0), _f16(data, 2)  # [out, supers]
+    sc_bytes = data[..., 4:16].to(torch.int32)
+    low, high = sc_bytes[..., 0:4], sc_bytes[..., 4:8]
+    extra = sc_bytes[..., 8:12]
+    # llama.cpp's get_scale_min_k4: 6-bit scale and min of sub-blocks 0-3, then 4-7
+    sc = torch.cat((low & 63, (extra & 0x0F) | ((low >> 6) << 4)), dim=-1).float()
+    mn = torch.cat((high & 63, (extra >> 4) | ((high >> 6) << 4)), dim=-1).float()
+    qs = data[..., 16:144].reshape(*data.shape[:-1], 4, 32)  # 4 chunks of 64 weights
+    q = torch.stack((qs & 0x0F, qs >> 4), dim=-2).reshape(out_f, in_f)  # chunk i: low nibbles, then high
+    scale = (d[..., None] * sc).reshape(out_f, -1)
+    zero = (8 * d[..., None] * sc - dmin[..., None] * mn).reshape(out_f, -1)
+    return q, scale, zero
+
+
 def int4_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Q4_0/Q4_1 blocks -> (q uint8 [out, in] in 0..15, scale [out, in/32], zero [out, in/32])
+    """Q4_0/Q4_1/Q4_K blocks -> (q uint8 [out, in] in 0..15, scale [out, in/32], zero [out, in/32])
     (float32, exact: `w = (q - 8) * scale + zero`); None for other types."""
     if blocks.type_name not in _INT4_EXACT:
         return None
     out_f, in_f = blocks.shape
+    if blocks.type_name == "Q4_K":
+        data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // 256, -1)
+        return _q4_k(data, out_f, in_f)
     data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // GROUP, -1)  # a writable copy
     d = _f16(data, 0)
     if blocks.type_name == "Q4_0":
@@ -122,7 +143,10 @@ def int8_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor] | None:
     safe = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
     # Rows whose blocks all share one scale come back exactly (a ratio of 1 keeps q).
     ratio = d / safe[:, None]
-    requant = torch.round(q.float() * ratio[..., None]).clamp_(-127, 127).to(torch.int8)
+    requant = torch.empty(out_f, in_f // GROUP, GROUP, dtype=torch.int8)
+    for start in range(0, out_f, _CHUNK_ROWS):  # by rows: the fp32 temporaries stay small (a 49k-row head)
+        rows = slice(start, start + _CHUNK_ROWS)
+        requant[rows] = torch.round(q[rows].float() * ratio[rows, :, None]).clamp_(-127, 127).to(torch.int8)
     return requant.reshape(out_f, in_f), row_scale
 
 
@@ -403,6 +427,20 @@ def release_freed_memory() -> None:
         ctypes.CDLL(name).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # not glibc
         pass
+
+
+def drop_mapped_pages(array: Any) -> None:
+    """Let the OS drop the pages of a memory-mapped file read during loading (gguf's reader maps
+    the whole file): they are clean and count as resident until dropped; a later read faults them
+    back in."""
+    import mmap
+
+    mapping = getattr(array, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mapping.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
 
 
 def packed_bytes(model: nn.Module) -> int:

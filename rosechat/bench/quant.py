@@ -167,7 +167,7 @@ def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: 
     params = SamplingParams(max_tokens=n_new, ignore_eos=True)
     engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for i in range(n_streams):
-        engine.add_request([*ids[:-1], ids[-1] + i], params)
+        engine.add_request([*ids[:-1], (ids[-1] + i) % len(loaded.tokenizer)], params)  # no shared last block
     t0 = time.perf_counter()
     first = None
     done = 0
