@@ -124,9 +124,17 @@ def load_model(
 
     path = source.path
     config = AutoConfig.from_pretrained(path)
-    net = build_model(config, dtype, device)
+    if quantization in ("int8", "int4"):  # weight-only quantization at load ("auto": as stored)
+        net = build_model(config, dtype, torch.device("meta"))
+        _check_packing(net, quantization, device)
+        quant.swap_in_packed(net, {name: quantization for name in _packable(net)}, dtype)
+        net = net.to_empty(device=device).requires_grad_(False)
+    else:
+        net = build_model(config, dtype, device)
     say("reading weights…")
     load_weights(net, path)
+    if quantization in ("int8", "int4"):
+        quant.release_freed_memory()
     net.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     loaded = _loaded(net, config, tokenizer, source.display_name, False, _eos_ids(path, config, tokenizer))
@@ -172,18 +180,10 @@ def _plan_packing(
     return the checkpoint names to read as raw GGUF blocks."""
     if quantization == "none":
         return set()
-    if device.type != "cpu" or not quant.kernels_available():
-        raise ValueError(f"quantization {quantization!r} runs on the CPU only (torch's weight-only kernels); "
-                         f"use quantization 'none' on {device}")
-    if gguf.arch == "gpt2":
-        if quantization == "auto":
-            return set()
-        raise ValueError("packed weights are not supported for GPT-2 models yet: use quantization 'none' or 'auto'")
-    packable = set(quant.packable_modules(net))
-    if getattr(net, "lm_head", None) is None:  # tied: the embedding is the head
-        packable.discard("lm_head")
-    else:  # the head has its own weight: the embedding only looks rows up, keep it dense
-        packable = {n for n in packable if not n.endswith("embed_tokens")}
+    if gguf.arch == "gpt2" and quantization == "auto":
+        return set()
+    _check_packing(net, quantization, device)
+    packable = _packable(net)
     modes: dict[str, str] = {}
     raw: set[str] = set()
     for hf, type_name in gguf.tensor_types(net, config).items():
@@ -202,6 +202,25 @@ def _plan_packing(
         raw.add(hf)
     quant.swap_in_packed(net, modes, dtype)
     return raw
+
+
+def _check_packing(net: nn.Module, quantization: str, device: torch.device) -> None:
+    if device.type != "cpu" or not quant.kernels_available():
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only (torch's weight-only kernels); "
+                         f"use quantization 'none' on {device}")
+    if not hasattr(net, "packed_modules") or type(net).__name__.startswith("GPT2"):
+        raise ValueError("packed weights are not supported for GPT-2 models yet: use quantization 'none' or 'auto'")
+
+
+def _packable(net: nn.Module) -> set[str]:
+    """The modules a packed load replaces: every linear layer, and the token embedding when it is
+    also the head (tied); an untied model's embedding only looks rows up and stays dense."""
+    packable = set(quant.packable_modules(net))
+    if getattr(net, "lm_head", None) is None:
+        packable.discard("lm_head")
+    else:
+        packable = {n for n in packable if not n.endswith(("embed_tokens", "wte"))}
+    return packable
 
 
 def resolve_model(model: str) -> ModelSource:
@@ -431,8 +450,10 @@ def load_weights(
         module.finish()  # pack once; the staged shards are dropped
 
 
-def _merged_module(model: nn.Module, param_name: str) -> MergedLinear | None:
+def _merged_module(model: nn.Module, param_name: str) -> MergedLinear | quant.PackedLinear | None:
     module = model.get_submodule(param_name.rpartition(".")[0])
+    if isinstance(module, quant.PackedLinear) and len(module.output_sizes) > 1:  # its bias is merged too
+        return module
     return module if isinstance(module, MergedLinear) else None
 
 

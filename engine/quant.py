@@ -17,7 +17,7 @@ Any other tensor (F32/F16/BF16, Q5_x, the K-quants, or a safetensors weight) is 
 of 32, int8 by absmax per row.
 
 Activations: the kernels are fast only with bf16 activations on this CPU (fp32 activations run the
-same kernels 5-15x slower; `rosechat bench quant` measures it), so a packed linear casts its input
+same kernels 3-40x slower than the fp32 linear; `rosechat bench quant` measures it), so a packed linear casts its input
 to bf16, multiplies, and casts the result back to the model's dtype.
 
 Raw block bytes come from the `gguf` package's reader (`ReaderTensor.data`, one uint8 row per

@@ -272,3 +272,35 @@ def test_real_model_resident_memory_after_a_packed_load() -> None:
     print(f"packed: +{rss >> 20} MiB resident (+{anon >> 20} MiB anonymous) for a {packed['file'] >> 20} MiB "
           f"file; {packed}")
     assert anon < 1.5 * packed["file"] and rss < 1.5 * packed["file"], packed
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", True), ("qwen2", False)])
+def test_safetensors_models_are_quantized_at_load(tmp_path: Path, arch: str, tied: bool) -> None:
+    """A Hugging Face model quantized weight-only at load: int8 per row, int4 by groups of 32
+    (min/max); "auto" keeps it as stored. qwen2: q/k/v biases stay on the packed layers."""
+    from tests.helpers import make_tiny_model
+
+    path = make_tiny_model(tmp_path / arch, arch, tie_word_embeddings=tied)
+    dense = load_model(str(path))
+    assert packed_bytes(load_model(str(path), quantization="auto").model) == 0
+    ids = [5, 17, 42, 9, 77, 3, 64, 21]
+    want = PagedHarness(dense).step(prefills=[(0, ids)])
+    # 4-bit round-to-nearest of random normal weights is coarse: measured 0.17 of max |logit| (qwen2)
+    for mode, bound in (("int8", 0.03), ("int4", 0.25)):
+        loaded = load_model(str(path), quantization=mode)
+        assert isinstance(loaded.model.model.embed_tokens, PackedEmbedding) == tied
+        assert not [n for n, _ in loaded.model.named_parameters() if n.endswith("proj.weight")]
+        got = PagedHarness(loaded).step(prefills=[(0, ids)])
+        diff = (got - want).abs().max().item()
+        assert diff < bound * want.abs().max().item(), (mode, diff, want.abs().max().item())
+
+
+def test_qwen2_gguf_packed_keeps_its_merged_qkv_bias(gguf_dir: Path) -> None:
+    path = gguf_dir / "qwen2-q4_1.gguf"
+    _, tok = write_gguf(path, "qwen2", qtype="Q4_1")
+    ids = tok.encode(PROMPT).ids
+    want = PagedHarness(load_model(str(path))).step(prefills=[(0, ids)])
+    loaded = load_model(str(path), quantization="auto")
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.bias is not None
+    got = PagedHarness(loaded).step(prefills=[(0, ids)])
+    assert (got - want).abs().max() < 0.01 * want.abs().max()
