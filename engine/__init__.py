@@ -18,7 +18,9 @@ from engine.loader import (
     load_model,
     resolve_model,
 )
+from engine.models.layers import linear  # the models' linear op (the bench measures its routes)
 from engine.output_processor import CompletionOutput, RequestOutput
+from engine.quant import packed_bytes
 from engine.sequence import SamplingParams
 
 __all__ = [
@@ -45,6 +47,8 @@ __all__ = [
     "TurnStarted",
     "Usage",
     "generation_defaults",
+    "linear",
     "load_model",
+    "packed_bytes",
     "resolve_model",
 ]

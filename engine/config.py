@@ -15,6 +15,7 @@ _CUDA_KV_FRACTION = 0.8  # of free device memory after loading the weights
 class EngineConfig:
     model: str = "demo"
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    quantization: str = "none"  # none | auto | int8 | int4: GGUF weights kept packed (engine/quant.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | triton
     block_size: int = 16
@@ -49,6 +50,10 @@ class EngineConfig:
             self.dtype = "bfloat16" if on_cuda else "float32"
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.quantization not in ("none", "auto", "int8", "int4"):
+            raise ValueError(f"quantization must be none, auto, int8 or int4; got {self.quantization!r}")
+        if self.quantization != "none" and on_cuda:
+            raise ValueError(f"quantization {self.quantization!r} runs on the CPU only; use 'none' on CUDA")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if on_cuda else "torch"
         if self.attention_backend not in ("torch", "triton"):

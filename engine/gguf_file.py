@@ -2,7 +2,8 @@
 
 Read with maintained code only: the `gguf` package (llama.cpp's own reader and dequantizers) for
 the tensors and metadata, and `transformers`' GGUF integration (`gguf_file=`) for the config,
-the tokenizer and the chat template. Quantized tensors are dequantized at load.
+the tokenizer and the chat template. Quantized tensors are dequantized at load, or handed over as
+their raw blocks for a packed load (engine/quant.py).
 """
 
 from __future__ import annotations
@@ -184,11 +185,21 @@ class GGUFModel:
         return None
 
     # ------------------------------------------------------------------ tensors
+    def tensor_types(self, model: nn.Module, config: Any) -> dict[str, str]:
+        """Hugging Face checkpoint name -> GGML type name (F32, Q4_1, Q8_0, ...) of every tensor."""
+        names = self._hf_names(model, config)
+        return {names[t.name]: t.tensor_type.name for t in self.reader.tensors if t.name in names}
+
     def iter_tensors(
-        self, model: nn.Module, config: Any, progress: Callable[[int, int], None] | None = None
-    ) -> Iterator[tuple[str, Tensor, str]]:
-        """(checkpoint name, dense float32 tensor, file name) in Hugging Face naming, for load_weights."""
-        from gguf import dequantize
+        self, model: nn.Module, config: Any, progress: Callable[[int, int], None] | None = None,
+        raw: set[str] | frozenset[str] = frozenset(),
+    ) -> Iterator[tuple[str, Any, str]]:
+        """(checkpoint name, dense float32 tensor, file name) in Hugging Face naming, for load_weights.
+        Quantized tensors named in `raw` come as their GGUF blocks (engine.quant.GGUFBlocks) instead,
+        for a packed load."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+
+        from engine.quant import GGUFBlocks
 
         names = self._hf_names(model, config)
         tensors = self.reader.tensors
@@ -198,6 +209,16 @@ class GGUFModel:
                 if t.name == "rope_freqs.weight":  # applied by rope_factors(), not a parameter
                     continue
                 raise GGUFError(f"{self.path.name}: tensor {t.name!r} has no place in {ARCHITECTURES[self.arch]}")
+            if hf in raw and GGML_QUANT_SIZES[t.tensor_type][0] > 1 and len(t.shape) == 2:
+                blocks = t.data  # uint8 [rows, row bytes], memory-mapped
+                if self.arch in _PERMUTED_QK and t.name.split(".")[-2] in ("attn_q", "attn_k"):
+                    heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
+                    blocks = _unpermute_qk(blocks, heads)  # whole rows move: blocks stay intact
+                shape = (int(t.shape[1]), int(t.shape[0]))
+                yield hf, GGUFBlocks(blocks, GGMLQuantizationType(t.tensor_type).name, shape), self.path.name
+                if progress is not None:
+                    progress(i + 1, len(tensors))
+                continue
             # numpy shape is the GGUF shape reversed: [out, in], as torch's Linear holds it
             array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
@@ -233,7 +254,9 @@ def _checkpoint_names(model: nn.Module) -> Iterator[str]:
     parts_of: dict[str, list[str]] = {}
     for part, (merged, _) in getattr(model, "packed_modules", {}).items():
         parts_of.setdefault(merged, []).append(part)
-    for name, _ in model.named_parameters():
+    names = [name for name, _ in model.named_parameters()]
+    names += [f"{name}.weight" for name, m in model.named_modules() if hasattr(m, "load_shard")]  # packed
+    for name in names:
         *head, module, leaf = name.split(".")
         prefix = ".".join(head) + "." if head else ""
         for part in parts_of.get(module, [module]):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine import demo
+from engine import demo, quant
 from engine.gguf_file import GGUFModel
 from engine.model_source import (  # noqa: F401  (re-exported: engine.loader is where they were)
     PACKAGED_MODELS,
@@ -33,6 +33,7 @@ from engine.model_source import (  # noqa: F401  (re-exported: engine.loader is 
 )
 from engine.models import get_model_class
 from engine.models.layers import MergedLinear
+from engine.quant import MODES as QUANT_MODES
 
 Progress = Callable[[str], None]  # a line saying how far loading is
 
@@ -63,25 +64,42 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load `model` (a name for resolve_model, or what it returned). Raises ModelNotFoundError
-    when it is nowhere, ValueError (WeightLoadError, GGUFError) when it cannot be loaded."""
+    when it is nowhere, ValueError (WeightLoadError, GGUFError) when it cannot be loaded.
+
+    `quantization` (engine/quant.py): "none" dequantizes a GGUF file's weights to `dtype`; "int4" /
+    "int8" keep every linear layer (and a tied head's embedding) packed; "auto" keeps each GGUF
+    tensor's precision class (Q4 -> int4, Q8_0 -> int8, float -> dense). None: the source's own
+    setting (ModelSource.quantization, "none" unless set)."""
     source = model if isinstance(model, ModelSource) else resolve_model(str(model))
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     say = progress or (lambda _: None)
+    quantization = quantization or source.quantization
+    if quantization not in QUANT_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANT_MODES)}; got {quantization!r}")
     if source.kind == "demo":
         return _load_demo(source.name, dtype, device)
     if source.kind == "gguf":
-        return _load_gguf(source, dtype, device, say)
+        return _load_gguf(source, dtype, device, say, quantization)
 
     from transformers import AutoConfig, AutoTokenizer
 
     path = source.path
     config = AutoConfig.from_pretrained(path)
-    net = build_model(config, dtype, device)
+    if quantization in ("int8", "int4"):  # weight-only quantization at load ("auto": as stored)
+        net = build_model(config, dtype, torch.device("meta"))
+        _check_packing(net, quantization, device)
+        quant.swap_in_packed(net, {name: quantization for name in _packable(net)}, dtype)
+        net = net.to_empty(device=device).requires_grad_(False)
+    else:
+        net = build_model(config, dtype, device)
     say("reading weights…")
     load_weights(net, path)
+    if quantization in ("int8", "int4"):
+        quant.release_freed_memory()
     net.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     loaded = _loaded(net, config, tokenizer, source.display_name, False, _eos_ids(path, config, tokenizer))
@@ -90,16 +108,23 @@ def load_model(
     return loaded
 
 
-def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, say: Progress) -> LoadedModel:
+def _load_gguf(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, say: Progress, quantization: str = "none"
+) -> LoadedModel:
     gguf = source.gguf or GGUFModel(source.path)
     config, tokenizer = gguf.config_and_tokenizer(say)
-    net = build_model(config, dtype, device)
+    net = build_model(config, dtype, torch.device("meta"))
+    raw = _plan_packing(net, config, gguf, quantization, device, dtype)
+    net = net.to_empty(device=device).requires_grad_(False)
     size = source.path.stat().st_size / 2**20
 
     def step(done: int, total: int) -> None:
         if done == total or done * 20 // total != (done - 1) * 20 // total:  # every 5 %
             say(f"weights {done * 100 // total}% of a {size:.0f} MiB file")
-    load_weights(net, gguf.iter_tensors(net, config, step), where=source.path.name)
+    load_weights(net, gguf.iter_tensors(net, config, step, raw=raw), where=source.path.name)
+    if raw:
+        quant.release_freed_memory()
+        quant.drop_mapped_pages(gguf.reader.data)  # every packed weight is a copy: none reads the map
     if (factors := gguf.rope_factors()) is not None:  # only Llama-family files carry them
         try:
             net.model.rotary.divide_frequencies(factors)
@@ -127,6 +152,56 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     if not isinstance(result, torch.dtype) or not result.is_floating_point:
         raise ValueError(f"unsupported dtype {dtype!r} (use float32, bfloat16, float16 or auto)")
     return result
+
+
+def _plan_packing(
+    net: nn.Module, config: Any, gguf: GGUFModel, quantization: str, device: torch.device, dtype: torch.dtype
+) -> set[str]:
+    """Swap the modules `quantization` packs into packed ones (the model is still on meta) and
+    return the checkpoint names to read as raw GGUF blocks."""
+    if quantization == "none":
+        return set()
+    if gguf.arch == "gpt2" and quantization == "auto":
+        return set()
+    _check_packing(net, quantization, device)
+    packable = _packable(net)
+    modes: dict[str, str] = {}
+    raw: set[str] = set()
+    for hf, type_name in gguf.tensor_types(net, config).items():
+        target = net.weight_target(hf)
+        if target is None or not target[0].endswith(".weight"):
+            continue
+        module = target[0].rpartition(".")[0]
+        if module not in packable:
+            continue
+        mode = quant.auto_mode(type_name) if quantization == "auto" else quantization
+        if mode == "none":
+            continue
+        if modes.get(module) not in (None, mode):  # shards of mixed classes (Q4_K_M's v): the wider
+            mode = "int8"
+        modes[module] = mode
+        raw.add(hf)
+    quant.swap_in_packed(net, modes, dtype)
+    return raw
+
+
+def _check_packing(net: nn.Module, quantization: str, device: torch.device) -> None:
+    if device.type != "cpu" or not quant.kernels_available():
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only (torch's weight-only kernels); "
+                         f"use quantization 'none' on {device}")
+    if not hasattr(net, "packed_modules") or type(net).__name__.startswith("GPT2"):
+        raise ValueError("packed weights are not supported for GPT-2 models yet: use quantization 'none' or 'auto'")
+
+
+def _packable(net: nn.Module) -> set[str]:
+    """The modules a packed load replaces: every linear layer, and the token embedding when it is
+    also the head (tied); an untied model's embedding only looks rows up and stays dense."""
+    packable = set(quant.packable_modules(net))
+    if getattr(net, "lm_head", None) is None:
+        packable.discard("lm_head")
+    else:
+        packable = {n for n in packable if not n.endswith(("embed_tokens", "wte"))}
+    return packable
 
 
 def build_model(config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -157,6 +232,7 @@ def load_weights(
     for GPT-2's Conv1D) and check that every parameter was filled. `checkpoint` is a safetensors
     folder, or (Hugging Face name, tensor, file name) triples from another format."""
     params = dict(model.named_parameters())
+    packed = quant.packed_modules(model)  # modules whose weight stays packed (engine/quant.py)
     loaded: dict[str, set[int | None]] = {}
     arch = type(model).__name__
     if isinstance(checkpoint, (str, Path)):
@@ -166,6 +242,16 @@ def load_weights(
         if target is None:
             continue
         param_name, shard, transpose = target
+        module_name, _, leaf = param_name.rpartition(".")
+        if leaf == "weight" and module_name in packed:
+            module = packed[module_name]
+            try:
+                module.load_shard(shard, tensor.t() if transpose and isinstance(tensor, Tensor) else tensor)
+            except ValueError as e:
+                raise WeightLoadError(f"tensor {name!r} in {file} does not fit {param_name}: {e}") from e
+            if not module.missing_shards():
+                module.finish()  # packed as soon as complete: the staged shards go at once
+            continue
         param = params.get(param_name)
         if param is None:
             raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {arch} has no parameter {param_name!r}")
@@ -198,15 +284,23 @@ def load_weights(
         for part, (merged, shard) in getattr(model, "packed_modules", {}).items():
             if merged == parts[-2] and shard not in loaded.get(param_name, set()):
                 missing.append(".".join([*parts[:-2], part, parts[-1]]))
+    for module_name, module in packed.items():
+        sizes = getattr(module, "output_sizes", [0])
+        for shard in module.missing_shards():
+            missing.append(f"{module_name}.weight" + (f" (shard {shard})" if len(sizes) > 1 else ""))
     if missing:
         raise WeightLoadError(
             f"checkpoint {where} lacks {len(missing)} tensor(s) that {arch} needs: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
+    for module in packed.values():
+        module.finish()  # pack once; the staged shards are dropped
 
 
-def _merged_module(model: nn.Module, param_name: str) -> MergedLinear | None:
+def _merged_module(model: nn.Module, param_name: str) -> MergedLinear | quant.PackedLinear | None:
     module = model.get_submodule(param_name.rpartition(".")[0])
+    if isinstance(module, quant.PackedLinear) and len(module.output_sizes) > 1:  # its bias is merged too
+        return module
     return module if isinstance(module, MergedLinear) else None
 
 

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from rosechat import config as rosechat_config
-from rosechat.config import BACKENDS, DTYPES, ConfigError, load_config
+from rosechat.config import BACKENDS, DTYPES, QUANTIZATIONS, ConfigError, load_config
 
 
 def backend_summary() -> str:
@@ -26,6 +26,7 @@ CLEAR_LINE = "\x1b[2K"  # erase the terminal line (the "opening…" status)
 FLAG_KEYS = {
     "model": "model.name",
     "dtype": "model.dtype",
+    "quantization": "model.quantization",
     "device": "model.device",
     "backend": "model.attention_backend",
     "threads": "model.threads",
@@ -61,6 +62,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
                    help='a .gguf file, a folder (one .gguf, or a Hugging Face model), a hub id, '
                    '"smollm2-135m-instruct" (the default) or "demo" (random weights)')
     m.add_argument("--dtype", choices=DTYPES, help="weights and KV cache (auto: bfloat16 on CUDA, float32 on CPU)")
+    m.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="GGUF weights on the CPU: none (dequantized), auto (packed in the file's precision), "
+                   "int8, int4")
     m.add_argument("--device", help='"auto", "cpu", "cuda", "cuda:N"')
     m.add_argument("--backend", choices=BACKENDS, help="paged-attention implementation (auto: triton on CUDA)")
     m.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (0 = one per core)")

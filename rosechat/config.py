@@ -34,6 +34,7 @@ DEFAULT_CONFIG_NAME = "default_config.toml"
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "triton", "torch")
+QUANTIZATIONS = ("none", "auto", "int8", "int4")
 
 
 class ConfigError(Exception):
@@ -56,6 +57,7 @@ def _min(lo: float) -> dict[str, Any]:
 class ModelConfig:
     name: str
     dtype: str = dataclasses.field(metadata={"choices": DTYPES})
+    quantization: str = dataclasses.field(metadata={"choices": QUANTIZATIONS})
     device: str
     attention_backend: str = dataclasses.field(metadata={"choices": BACKENDS})
     cuda_graphs: bool
@@ -129,6 +131,7 @@ class Config:
         c = self.cache
         return {
             "dtype": self.model.dtype,
+            "quantization": self.model.quantization,
             "device": self.model.device,
             "attention_backend": self.model.attention_backend,
             "cuda_graphs": self.model.cuda_graphs,

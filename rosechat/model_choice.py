@@ -30,7 +30,9 @@ def choose_model(config: Config) -> tuple[ModelSource, str | None]:
     except ValueError as e:
         raise ModelChoiceError(f"cannot run on this machine: {_one_line(e)}") from None
     try:
-        return resolve_model(name), None
+        source = resolve_model(name)
+        source.quantization = config.model.quantization  # load_model's default for this source
+        return source, None
     except ModelNotFoundError as e:
         if not config.is_default("model.name"):
             raise ModelChoiceError(

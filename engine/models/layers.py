@@ -62,7 +62,10 @@ def _onednn_weight(weight: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T (+ bias); through prepacked oneDNN weights for fp32 on CPU."""
+    """x @ weight.T (+ bias); through prepacked oneDNN weights for fp32 on CPU. A packed
+    quantized weight (engine.quant.PackedWeight) multiplies itself."""
+    if not isinstance(weight, Tensor):
+        return weight.linear(x, bias)
     if _ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not weight.requires_grad:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _onednn_weight(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)

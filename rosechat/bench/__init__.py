@@ -6,6 +6,10 @@ from rosechat.bench import cli, parity
 def main(argv: list[str]) -> int:
     if argv[:1] == ["parity"]:
         return parity.main(argv[1:])
+    if argv[:1] == ["quant"]:  # the CPU routes for packed weights on a model's shapes (quant.py)
+        from rosechat.bench import quant
+
+        return quant.main(argv[1:])
     if argv[:1] == ["serve"]:  # rosechat serve under load, beside the in-process engine (serve.py)
         from rosechat.bench import serve
 

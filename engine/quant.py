@@ -1,0 +1,359 @@
+"""Packed quantized weights: GGUF blocks repacked once at load into torch's CPU weight-only formats.
+
+Two packed forms, both multiplied by torch's own weight-only kernels:
+
+- **int4**: 4-bit values in groups of 32 along the input dim, `w = (q - 8) * scale + zero`, one
+  (scale, zero) pair per group and output row, packed by `aten._convert_weight_to_int4pack_for_cpu`
+  and multiplied by `aten._weight_int4pack_mm_for_cpu`. GGUF Q4_0 (`(q - 8) * d`) and Q4_1
+  (`q * d + m` = `(q - 8) * d + (m + 8 d)`) blocks map onto it exactly; only scale and zero are
+  rounded to the compute dtype.
+- **int8**: int8 values with one scale per output row, multiplied by `aten._weight_int8pack_mm`.
+  GGUF Q8_0 keeps a scale per block of 32, which that kernel cannot take: Q8_0 is requantized per
+  row (`q' = round(q * d_block / s_row)`, `s_row = max |w| / 127` over the row). The error that adds
+  is measured in tests/engine/test_quant.py and stated in the report.
+
+Any other tensor (F32/F16/BF16, Q5_x, the K-quants, or a safetensors weight) is dequantized with
+`gguf`'s own code (or taken as is) and quantized to the requested form: int4 by min/max per group
+of 32, int8 by absmax per row.
+
+Activations: the kernels are fast only with bf16 activations on this CPU (fp32 activations run the
+same kernels 3-40x slower than the fp32 linear; `rosechat bench quant` measures it), so a packed linear casts its input
+to bf16, multiplies, and casts the result back to the model's dtype.
+
+Raw block bytes come from the `gguf` package's reader (`ReaderTensor.data`, one uint8 row per
+matrix row, and `GGMLQuantizationType`); `gguf.dequantize` is only the fallback for block types
+that have no exact mapping (and the reference in tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API lives here)
+    GROUP,
+    GGUFBlocks,
+    int4_from_blocks,
+    int8_from_blocks,
+    quantize_int4,
+    quantize_int8,
+)
+
+MODES = ("auto", "none", "int8", "int4")
+COMPUTE_DTYPE = torch.bfloat16  # the activations the CPU kernels are fast with
+
+# the precision class a file's tensor keeps under quantization="auto"
+_AUTO_CLASS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8",
+               "Q5_K": "int8", "Q6_K": "int8", "Q8_0": "int8"}
+
+
+def kernels_available() -> bool:
+    ops = torch.ops.aten
+    return all(hasattr(ops, op) for op in
+               ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
+
+
+def auto_mode(type_name: str) -> str:
+    """The packed form a GGUF tensor type keeps under quantization="auto" ("none" for float types)."""
+    return _AUTO_CLASS.get(type_name, "none")
+
+
+# ---------------------------------------------------------------------------------- packed weights
+class PackedWeight:
+    """A packed [out, in] matrix standing where a dense weight stood: `linear(x, weight)` in
+    engine.models.layers calls `weight.linear(x, bias)`, and an embedding calls `rows(ids)`."""
+
+    mode: str
+    shape: tuple[int, int]
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    # a few tensor-like attributes callers read
+    @property
+    def dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPE
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+class Int4Weight(PackedWeight):
+    mode = "int4"
+
+    def __init__(self, q: Tensor, scale: Tensor, zero: Tensor, keep_rows: bool = False) -> None:
+        """q uint8 [out, in] 0..15, scale/zero float [out, in/32]. keep_rows also keeps q in a plain
+        nibble layout for row lookups (an embedding: the kernel's packed layout is opaque)."""
+        out_f, in_f = q.shape
+        self.shape = (out_f, in_f)
+        self.row_nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous() if keep_rows else None
+        pad = -out_f % 16  # the kernel's packing takes rows in multiples of 16: zero rows, sliced off
+        if pad:
+            q = torch.cat((q, q.new_full((pad, in_f), 8)))
+            scale, zero = torch.cat((scale, scale.new_zeros(pad, scale.shape[1]))), torch.cat(
+                (zero, zero.new_zeros(pad, zero.shape[1])))
+        self.padded_rows = out_f + pad
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        # [in/32, out, 2] as the kernel takes it
+        self.scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(COMPUTE_DTYPE).contiguous()
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
+        if self.padded_rows != self.shape[0]:
+            out = out[:, : self.shape[0]]
+        out = out.to(x.dtype).reshape(*shape[:-1], self.shape[0])
+        return out if bias is None else out + bias
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        if self.row_nibbles is None:
+            raise RuntimeError("this int4 weight was packed without its rows (not an embedding)")
+        nib = self.row_nibbles[ids]
+        q = torch.stack((nib & 0x0F, nib >> 4), dim=-1).reshape(*ids.shape, self.shape[1]).float()
+        sz = self.scales_zeros[:, ids].float()  # [in/32, *ids, 2]
+        scale = sz[..., 0].movedim(0, -1).repeat_interleave(GROUP, dim=-1)
+        zero = sz[..., 1].movedim(0, -1).repeat_interleave(GROUP, dim=-1)
+        return ((q - 8) * scale + zero).to(dtype)
+
+    def nbytes(self) -> int:
+        extra = 0 if self.row_nibbles is None else self.row_nibbles.nbytes
+        return self.packed.nbytes + self.scales_zeros.nbytes + extra
+
+    def dequantize(self) -> Tensor:
+        """fp32 [out, in] as the kernel sees it (for tests): one identity matmul."""
+        eye = torch.eye(self.shape[1], dtype=COMPUTE_DTYPE)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros)
+        return out[:, : self.shape[0]].float().t()
+
+
+class Int8Weight(PackedWeight):
+    mode = "int8"
+
+    def __init__(self, q: Tensor, scale: Tensor) -> None:
+        self.shape = tuple(q.shape)
+        self.q = q.contiguous()
+        self.scale_f32 = scale.float().contiguous()  # row lookups are exact in fp32
+        self.scale = scale.to(COMPUTE_DTYPE).contiguous()
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
+        out = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
+        out = out.to(x.dtype).reshape(*shape[:-1], self.shape[0])
+        return out if bias is None else out + bias
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        return (self.q[ids].float() * self.scale_f32[ids].unsqueeze(-1)).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + self.scale_f32.nbytes
+
+    def dequantize(self) -> Tensor:
+        return self.q.float() * self.scale.float()[:, None]
+
+
+def pack(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool = False) -> PackedWeight:
+    """One [out, in] matrix (dense, or GGUF blocks) packed as `mode` ("int4" or "int8"): exact
+    from Q4_0/Q4_1 (int4) and per-row requantized from Q8_0 (int8); anything else through fp32."""
+    if mode == "int4":
+        parts = int4_from_blocks(source) if isinstance(source, GGUFBlocks) else None
+        if parts is None:
+            dense = source.dequantize() if isinstance(source, GGUFBlocks) else source
+            parts = quantize_int4(dense)
+        return Int4Weight(*parts, keep_rows=keep_rows)
+    if mode == "int8":
+        parts8 = int8_from_blocks(source) if isinstance(source, GGUFBlocks) else None
+        if parts8 is None:
+            dense = source.dequantize() if isinstance(source, GGUFBlocks) else source
+            parts8 = quantize_int8(dense)
+        return Int8Weight(*parts8)
+    raise ValueError(f"cannot pack as {mode!r}: int4 or int8")
+
+
+def concat_rows(parts: list[Tensor | GGUFBlocks]) -> Tensor | GGUFBlocks:
+    """Stack shards (q, k, v; gate, up) along the output dim: blocks stay blocks when all are one type."""
+    if all(isinstance(p, GGUFBlocks) for p in parts) and len({p.type_name for p in parts}) == 1:
+        data = np.concatenate([p.data for p in parts], axis=0)
+        return GGUFBlocks(data, parts[0].type_name, (data.shape[0], parts[0].shape[1]))
+    return torch.cat([p.dequantize() if isinstance(p, GGUFBlocks) else p.float() for p in parts], dim=0)
+
+
+# ---------------------------------------------------------------------------------- modules
+class PackedLinear(nn.Module):
+    """A Linear (or MergedLinear) whose weight is packed. Shards arrive one by one at load
+    (`load_shard`); `finish()` packs them once, after which only the packed form is kept."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: Tensor | None, mode: str) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.mode = mode
+        self.bias = bias  # a Parameter moved over from the dense module (or None)
+        self.weight: PackedWeight | None = None
+        self._shards: dict[int, Tensor | GGUFBlocks] = {}
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        return sum(self.output_sizes[:shard]), self.output_sizes[shard]
+
+    def load_shard(self, shard: int | None, source: Tensor | GGUFBlocks) -> None:
+        index = 0 if shard is None else shard
+        rows = self.output_sizes[index] if shard is not None else self.out_features
+        if tuple(source.shape) != (rows, self.in_features):
+            raise ValueError(f"has shape {tuple(source.shape)}, expected {(rows, self.in_features)}")
+        self._shards[index] = source.detach().clone() if isinstance(source, Tensor) else source
+
+    def missing_shards(self) -> list[int]:
+        if self.weight is not None:
+            return []
+        count = len(self.output_sizes) if len(self.output_sizes) > 1 else 1
+        return [i for i in range(count) if i not in self._shards]
+
+    def finish(self, keep_rows: bool = False) -> None:
+        if self.weight is None:
+            parts = [self._shards[i] for i in sorted(self._shards)]
+            self.weight = pack(parts[0] if len(parts) == 1 else concat_rows(parts), self.mode, keep_rows)
+            self._shards = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight.linear(x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+
+
+class PackedEmbedding(nn.Module):
+    """An embedding table kept packed: lookups dequantize only the rows asked for; a tied head
+    multiplies by the same packed weight (`linear(hidden, embed.weight)`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.mode = mode
+        self.out_dtype = dtype
+        self.weight: PackedWeight | None = None
+        self._source: Tensor | GGUFBlocks | None = None
+
+    def load_shard(self, shard: int | None, source: Tensor | GGUFBlocks) -> None:
+        if tuple(source.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"has shape {tuple(source.shape)}, expected {(self.num_embeddings, self.embedding_dim)}")
+        self._source = source.detach().clone() if isinstance(source, Tensor) else source
+
+    def missing_shards(self) -> list[int]:
+        return [0] if self.weight is None and self._source is None else []
+
+    def finish(self, keep_rows: bool = True) -> None:
+        if self.weight is None:
+            self.weight = pack(self._source, self.mode, keep_rows=True)
+            self._source = None
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.weight.rows(ids, self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode}"
+
+
+def packed_modules(model: nn.Module) -> dict[str, PackedLinear | PackedEmbedding]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
+
+
+def swap_in_packed(model: nn.Module, modes: dict[str, str], dtype: torch.dtype) -> None:
+    """Replace the Linear / MergedLinear / Embedding modules named in `modes` (module name ->
+    "int4" | "int8") by packed ones, before any weight is allocated (the model is on meta)."""
+    from engine.models.layers import MergedLinear
+
+    for name, mode in modes.items():
+        if mode not in ("int4", "int8"):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, leaf)
+        if isinstance(old, nn.Embedding):
+            new: nn.Module = PackedEmbedding(old.num_embeddings, old.embedding_dim, mode, dtype)
+        elif isinstance(old, nn.Linear):
+            if old.in_features % GROUP:
+                continue  # groups of 32 do not fit: stays dense
+            sizes = old.output_sizes if isinstance(old, MergedLinear) else [old.out_features]
+            new = PackedLinear(old.in_features, sizes, old.bias, mode)
+        else:
+            raise TypeError(f"{name} is a {type(old).__name__}: only linear layers and embeddings can be packed")
+        setattr(parent, leaf, new)
+
+
+def packable_modules(model: nn.Module) -> list[str]:
+    """The module names a packed load may replace: every linear layer and the token embedding(s)
+    of a tied model (the head multiplies by it); position embeddings stay dense."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module.in_features % GROUP == 0:
+            names.append(name)
+        elif isinstance(module, nn.Embedding) and name.endswith(("embed_tokens", "wte")):
+            if module.embedding_dim % GROUP == 0:
+                names.append(name)
+    return names
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed during packing (the int32 and fp32 temporaries) back to the OS: glibc
+    keeps freed heap pages otherwise, and they count as resident."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
+
+
+def drop_mapped_pages(array: Any) -> None:
+    """Let the OS drop the pages of a memory-mapped file read during loading (gguf's reader maps
+    the whole file): they are clean and count as resident until dropped; a later read faults them
+    back in."""
+    import mmap
+
+    mapping = getattr(array, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mapping.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
+
+
+def packed_bytes(model: nn.Module) -> int:
+    return sum(m.weight.nbytes() for m in packed_modules(model).values() if m.weight is not None)
+
+
+__all__ = [
+    "GGUFBlocks",
+    "Int4Weight",
+    "Int8Weight",
+    "MODES",
+    "PackedEmbedding",
+    "PackedLinear",
+    "PackedWeight",
+    "auto_mode",
+    "kernels_available",
+    "pack",
+    "packable_modules",
+    "packed_bytes",
+    "packed_modules",
+    "quantize_int4",
+    "quantize_int8",
+    "swap_in_packed",
+]

@@ -1,0 +1,278 @@
+"""`rosechat bench quant`: the CPU linear routes for packed weights, on a model's real shapes.
+
+For every matrix shape of the model (default SmolLM2-135M: q/o 576->576, k/v 576->192, gate/up
+576->1536, down 1536->576 and the tied 49152x576 head) and every row count, the time of one
+`x @ W.T` through:
+
+- fp32 `F.linear`, and fp32 through the engine's `linear` (oneDNN, prepacked weight: today's path)
+- bf16 `F.linear`
+- `aten._weight_int8pack_mm` (int8, one scale per output channel), bf16 and fp32 activations
+- `aten._weight_int4pack_mm_for_cpu` (int4, groups of 32), bf16 and fp32 activations, and fp32
+  activations cast to bf16 around the op (what a packed linear in an fp32 model does)
+
+Cache-cold: every route cycles through enough copies of the weight to stream more bytes than the
+last-level cache holds; the figure is the min over repeats of the mean per call. One thread unless
+--threads says otherwise. Ratios are only meaningful within one run (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# (name, in_features, out_features): SmolLM2-135M-Instruct's matrices
+SMOLLM2_SHAPES = [
+    ("q/o 576->576", 576, 576),
+    ("k/v 576->192", 576, 192),
+    ("gate/up 576->1536", 576, 1536),
+    ("down 1536->576", 1536, 576),
+    ("head 576->49152", 576, 49152),
+]
+COLD_BYTES = 96 << 20  # more than this machine's 32 MiB L3
+
+
+def _int4_weight(out_f: int, in_f: int, dtype: torch.dtype, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randint(0, 16, (out_f, in_f), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_zeros = (torch.rand(in_f // group, out_f, 2) * 0.01).to(dtype)
+    return packed, scales_zeros
+
+
+def _routes(in_f: int, out_f: int) -> dict[str, tuple[Callable[[], object], Callable[[object, int], object]]]:
+    """route -> (make one weight copy, call(weight, rows)); the activations are built once per route."""
+    from engine import linear
+
+    def dense(dtype: torch.dtype):
+        return lambda: torch.randn(out_f, in_f).to(dtype)
+
+    def int8():
+        return (torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8), torch.rand(out_f) * 0.01)
+
+    xs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def x(rows: int, dtype: torch.dtype) -> torch.Tensor:
+        if (rows, dtype) not in xs:
+            xs[rows, dtype] = torch.randn(rows, in_f).to(dtype)
+        return xs[rows, dtype]
+
+    i8 = torch.ops.aten._weight_int8pack_mm
+    i4 = torch.ops.aten._weight_int4pack_mm_for_cpu
+    bf16, fp32 = torch.bfloat16, torch.float32
+    return {
+        "fp32 F.linear": (dense(fp32), lambda w, r: F.linear(x(r, fp32), w)),
+        "fp32 oneDNN (today)": (dense(fp32), lambda w, r: linear(x(r, fp32), w)),
+        "bf16 F.linear": (dense(bf16), lambda w, r: F.linear(x(r, bf16), w)),
+        "int8pack bf16": (int8, lambda w, r: i8(x(r, bf16), w[0], w[1].to(bf16))),
+        "int8pack fp32": (int8, lambda w, r: i8(x(r, fp32), w[0], w[1])),
+        "int4pack bf16": (lambda: _int4_weight(out_f, in_f, bf16), lambda w, r: i4(x(r, bf16), w[0], 32, w[1])),
+        "int4pack fp32": (lambda: _int4_weight(out_f, in_f, fp32), lambda w, r: i4(x(r, fp32), w[0], 32, w[1])),
+        "int4pack fp32->bf16": (
+            lambda: _int4_weight(out_f, in_f, bf16),
+            lambda w, r: i4(x(r, fp32).to(bf16), w[0], 32, w[1]).float(),
+        ),
+        "int8pack fp32->bf16": (int8, lambda w, r: i8(x(r, fp32).to(bf16), w[0], w[1].to(bf16)).float()),
+    }
+
+
+def _bytes(w: object) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(_bytes(t) for t in w)  # type: ignore[union-attr]
+
+
+def measure(
+    shapes: list[tuple[str, int, int]], rows: list[int], repeats: int, routes: list[str] | None = None,
+    cold_bytes: int = COLD_BYTES,
+) -> list[dict]:
+    """One row per (shape, rows, route): microseconds per call, cache-cold."""
+    results = []
+    for name, in_f, out_f in shapes:
+        table = _routes(in_f, out_f)
+        for route, (make, call) in table.items():
+            if routes and route not in routes:
+                continue
+            first = make()
+            copies = [first]
+            # the head's fp32 copy alone is 113 MB: at least two copies so none stays cached
+            while sum(_bytes(w) for w in copies) < cold_bytes or len(copies) < 2:
+                copies.append(tuple(t.clone() for t in first) if isinstance(first, tuple) else first.clone())
+            for r in rows:
+                for w in copies[:2]:
+                    call(w, r)  # warm-up (oneDNN's reorder, first-call allocations)
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for w in copies:
+                        call(w, r)
+                    best = min(best, (time.perf_counter() - start) / len(copies))
+                results.append({"shape": name, "in": in_f, "out": out_f, "rows": r, "route": route,
+                                "us": round(best * 1e6, 1), "weight_bytes": _bytes(first)})
+            del copies, first
+    return results
+
+
+def render(results: list[dict]) -> str:
+    routes = list(dict.fromkeys(r["route"] for r in results))
+    keys = list(dict.fromkeys((r["shape"], r["rows"]) for r in results))
+    by = {(r["shape"], r["rows"], r["route"]): r["us"] for r in results}
+    head = f"{'shape':<20}{'rows':>5}" + "".join(f"{rt:>22}" for rt in routes)
+    lines = [head, "-" * len(head)]
+    for shape, rows in keys:
+        lines.append(f"{shape:<20}{rows:>5}" + "".join(
+            f"{by.get((shape, rows, rt), float('nan')):>20.1f}us" for rt in routes))
+    return "\n".join(lines)
+
+
+# --- whole model: resident memory and decode speed per quantization ------------------------------
+
+_CHILD = """
+import json, sys
+from rosechat.bench.quant import _child
+print("RESULT " + json.dumps(_child(*sys.argv[1:])))
+"""
+
+
+def _status() -> dict[str, int]:
+    keys = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+    with open("/proc/self/status") as f:
+        return {line.split(":")[0]: int(line.split()[1]) << 10 for line in f if line.startswith(keys)}
+
+
+def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: str, streams: str) -> dict:
+    """One system in a fresh process (its memory is its own): load, then decode greedily."""
+    from engine import EngineConfig, LLMEngine, SamplingParams, load_model, packed_bytes, resolve_model
+
+    torch.set_num_threads(int(threads))
+    source = resolve_model(model)
+    if source.gguf is not None:
+        source.gguf.config_and_tokenizer()  # converted once and cached: not part of the weights
+    before = _status()
+    start = time.perf_counter()
+    loaded = load_model(source, quantization=mode)
+    load_s = time.perf_counter() - start
+    after = _status()
+    n_prompt, n_new, n_streams = int(prompt_tokens), int(new_tokens), int(streams)
+    engine = LLMEngine(loaded, EngineConfig(model=loaded.name, block_size=16,
+                                            num_blocks=n_streams * (-(-(n_prompt + n_new) // 16) + 1) + 4))
+    text = "Tell me a long story about a cat who sails around the world and the friends she meets. " * 8
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)[:n_prompt]
+    params = SamplingParams(max_tokens=n_new, ignore_eos=True)
+    engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    for i in range(n_streams):
+        engine.add_request([*ids[:-1], (ids[-1] + i) % len(loaded.tokenizer)], params)  # no shared last block
+    t0 = time.perf_counter()
+    first = None
+    done = 0
+    while done < n_streams:
+        outputs = engine.step()
+        if first is None and any(o.outputs[0].token_ids for o in outputs):
+            first = time.perf_counter()
+        done += sum(1 for o in outputs if o.finished)
+    end = time.perf_counter()
+    return {
+        "mode": mode, "load_s": round(load_s, 2), "file_bytes": source.path.stat().st_size if source.path else 0,
+        "packed_bytes": packed_bytes(loaded.model),
+        "dense_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
+        "rss_before": before, "rss_after": after,
+        "prefill_tok_s": round(n_streams * n_prompt / (first - t0), 1),
+        "decode_tok_s": round(n_streams * (n_new - 1) / (end - first), 1),
+        "streams": n_streams, "threads": int(threads),
+    }
+
+
+def run_decode(model: str, modes: list[str], threads: int, prompt_tokens: int, new_tokens: int,
+               streams: list[int]) -> list[dict]:
+    import subprocess
+    import sys
+
+    results = []
+    for n in streams:
+        for mode in modes:
+            out = subprocess.run(
+                [sys.executable, "-c", _CHILD, model, mode, str(threads), str(prompt_tokens), str(new_tokens), str(n)],
+                capture_output=True, text=True, timeout=1800)
+            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if out.returncode or not line:
+                raise RuntimeError(f"{mode}: the child failed:\n{out.stderr[-2000:]}")
+            results.append(json.loads(line[-1][len("RESULT "):]))
+    return results
+
+
+def render_decode(results: list[dict]) -> str:
+    mib = 2**20
+    head = (f"{'quantization':<14}{'streams':>8}{'load s':>8}{'weights MiB':>13}{'+RssAnon MiB':>14}"
+            f"{'+RSS MiB':>10}{'RSS/file':>10}{'prefill tok/s':>15}{'decode tok/s':>14}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        anon = r["rss_after"]["RssAnon"] - r["rss_before"]["RssAnon"]
+        rss = r["rss_after"]["VmRSS"] - r["rss_before"]["VmRSS"]
+        weights = r["packed_bytes"] + r["dense_bytes"]
+        ratio = rss / r["file_bytes"] if r["file_bytes"] else float("nan")
+        lines.append(f"{r['mode']:<14}{r['streams']:>8}{r['load_s']:>8.1f}{weights / mib:>13.0f}{anon / mib:>14.0f}"
+                     f"{rss / mib:>10.0f}{ratio:>10.2f}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    if argv[:1] == ["decode"]:
+        return main_decode(argv[1:])
+    p = argparse.ArgumentParser(prog="rosechat bench quant", description=__doc__.split("\n\n")[0],
+                                epilog="`rosechat bench quant decode --help`: the whole model per quantization "
+                                "(resident memory after load, single-stream decode tok/s)")
+    p.add_argument("--rows", default="1,8", help="comma-separated row counts (tokens per step)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--routes", help="comma-separated subset of the routes")
+    p.add_argument("--shapes", help="comma-separated subset of the shape names' first word (q/o, k/v, ...)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = [s for s in SMOLLM2_SHAPES if not args.shapes or s[0].split()[0] in args.shapes.split(",")]
+    with torch.no_grad():  # not inference_mode: the oneDNN cache reads the weight's version
+        results = measure(shapes, [int(r) for r in args.rows.split(",")], args.repeats,
+                          args.routes.split(",") if args.routes else None)
+    load = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps({"threads": args.threads, "load1": load, "capability":
+                          torch.backends.cpu.get_cpu_capability(), "results": results}))
+    else:
+        print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+              f"{args.threads} thread(s), load average {load:.2f}; us per call, min of {args.repeats}, cache-cold")
+        print(render(results))
+    return 0
+
+
+def main_decode(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rosechat bench quant decode",
+                                description="Each quantization in a fresh process: resident memory after load "
+                                "(against the file size) and greedy decode tok/s.")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a .gguf file or a packaged model")
+    p.add_argument("--quantization", default="none,auto,int8", help="comma-separated: none, auto, int8, int4")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--prompt-tokens", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--streams", default="1", help="comma-separated numbers of concurrent greedy streams")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    results = run_decode(args.model, args.quantization.split(","), args.threads, args.prompt_tokens,
+                         args.max_tokens, [int(n) for n in args.streams.split(",")])
+    load = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps({"model": args.model, "load1": load, "results": results}))
+    else:
+        print(f"{args.model}: {args.threads} thread(s), {args.prompt_tokens}-token prompt, {args.max_tokens} new "
+              f"tokens, greedy; load average {load:.2f}. +RSS: resident memory the load adds (+RssAnon: "
+              "the weights; the rest is the file's mapped pages)")
+        print(render_decode(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

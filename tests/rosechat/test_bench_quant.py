@@ -1,0 +1,38 @@
+"""`rosechat bench quant`: the microbenchmark's routes and the per-quantization decode runs, on
+tiny shapes and a tiny GGUF file (the figures themselves are measured by hand, not asserted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rosechat.bench import quant
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                                reason="torch without the CPU weight-only kernels")
+
+
+def test_every_route_runs_on_a_small_shape() -> None:
+    with torch.no_grad():
+        results = quant.measure([("tiny 64->32", 64, 32)], [1, 2], repeats=1, cold_bytes=1 << 16)
+    routes = {r["route"] for r in results}
+    assert {"fp32 F.linear", "int8pack bf16", "int4pack bf16", "int4pack fp32->bf16"} <= routes
+    assert len(results) == 2 * len(routes) and all(r["us"] > 0 for r in results)
+    table = quant.render(results)
+    assert "tiny 64->32" in table and "int4pack bf16" in table
+
+
+def test_decode_runs_each_quantization_in_its_own_process(tmp_path: Path) -> None:
+    from tests.gguf_helpers import write_gguf
+
+    path = tmp_path / "tiny-q4.gguf"
+    write_gguf(path, "llama", qtype="Q4_0")
+    results = quant.run_decode(str(path), ["none", "auto"], threads=1, prompt_tokens=8, new_tokens=6,
+                               streams=[1])
+    none, auto = results
+    assert none["packed_bytes"] == 0 and auto["packed_bytes"] > 0
+    assert auto["dense_bytes"] < none["dense_bytes"]
+    assert none["decode_tok_s"] > 0 and auto["decode_tok_s"] > 0
+    assert "auto" in quant.render_decode(results)
