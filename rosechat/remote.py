@@ -14,6 +14,7 @@ One asyncio loop on a daemon thread runs the official `openai` client; commands 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -118,7 +119,11 @@ class RemoteBackend:
     def shutdown(self, timeout: float = 5.0) -> None:
         if not self._thread.is_alive():
             return
-        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout)
+        closing = asyncio.run_coroutine_threadsafe(self._close(), self._loop)
+        try:
+            closing.result(timeout)
+        except (TimeoutError, concurrent.futures.TimeoutError):  # a server slow to hang up: go anyway
+            closing.cancel()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
 
@@ -265,11 +270,10 @@ class RemoteBackend:
         """While turns run (and on request), read what the server tells of its KV cache."""
         assert self._wake is not None
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.snapshot_interval)
-            except asyncio.TimeoutError:
-                if not self._tasks:
-                    continue
+            if self._tasks:  # a turn runs: follow the server
+                await asyncio.sleep(self.snapshot_interval)
+            else:  # idle: when asked, or as a turn starts or ends
+                await self._wake.wait()
             self._wake.clear()
             stats = await self._server_stats()
             if stats is not None:
