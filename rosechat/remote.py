@@ -182,9 +182,11 @@ class RemoteBackend:
             return
         error = None if task.cancelled() else task.exception()
         if error is not None:
+            code = getattr(error, "code", None) or "remote_error"
+            if code == "context_length_exceeded" and getattr(error, "param", None) == "max_tokens":
+                code = "invalid_request"  # the reply's limit does not fit, not the message: it stays in the chat
             message = describe(error, self.base_url, mid_reply=any(turn.chunks))
-            self._emit(EngineError(turn.request_id, turn.conversation_id, message,
-                                   getattr(error, "code", None) or "remote_error"))
+            self._emit(EngineError(turn.request_id, turn.conversation_id, message, code))
             return
         now = time.monotonic()
         first = turn.first_token or now

@@ -152,6 +152,18 @@ def test_wrong_key_and_unknown_model_are_clear_errors(server: BackgroundServer) 
         b.shutdown()
 
 
+def test_a_reply_limit_past_the_context_is_not_a_message_too_long(server: BackgroundServer) -> None:
+    b, events = backend(server.url, api_key="k3y", model="demo")
+    try:
+        end = events.end_of(b.submit_turn(b.new_conversation(), chat("hi"), SamplingParams(max_tokens=5000)))
+        # the server refuses as vLLM does; the tab must not take the user's message out of the chat
+        assert isinstance(end, EngineError) and end.code == "invalid_request" and "completion" in end.message
+        end = events.end_of(b.submit_turn(b.new_conversation(), chat("hi " * 3000), SamplingParams(max_tokens=4)))
+        assert isinstance(end, EngineError) and end.code == "context_length_exceeded"
+    finally:
+        b.shutdown()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
