@@ -1,32 +1,26 @@
-"""Packed quantized weights: GGUF blocks repacked once at load into torch's CPU weight-only formats.
+"""Packed quantized weights: GGUF blocks repacked once at load and multiplied as they are.
 
-Two packed forms, both multiplied by torch's own weight-only kernels:
+Two packed precisions, "int4" and "int8", each with two routes:
 
-- **int4**: 4-bit values in groups of 32 along the input dim, `w = (q - 8) * scale + zero`, one
-  (scale, zero) pair per group and output row, packed by `aten._convert_weight_to_int4pack_for_cpu`
-  and multiplied by `aten._weight_int4pack_mm_for_cpu`. GGUF Q4_0 (`(q - 8) * d`) and Q4_1
-  (`q * d + m` = `(q - 8) * d + (m + 8 d)`) blocks map onto it exactly; only scale and zero are
-  rounded to the compute dtype.
-- **int8**: int8 values with one scale per output row, multiplied by `aten._weight_int8pack_mm`.
-  GGUF Q8_0 keeps a scale per block of 32, which that kernel cannot take: Q8_0 is requantized per
-  row (`q' = round(q * d_block / s_row)`, `s_row = max |w| / 127` over the row). The error that adds
-  is measured in tests/engine/test_quant.py and stated in the report.
+- **Our CPU kernels** (kernels/cpu_quant.cpp, AVX2, built at first use): weights stay in GGUF's own
+  blocks of 32, `w = q * d + m` (q4: Q4_0, Q4_1 and Q4_K's sub-blocks exactly) or `w = q * d` (q8:
+  Q8_0 exactly; Q5_x, Q6_K and float weights requantized by absmax per block of 32). Activations
+  are quantized per block of 32 to int8 and every block dot product runs on integers, as
+  llama.cpp does; the fp32 activations and results stay fp32 around it.
+- **torch's weight-only kernels** where ours cannot be built (no compiler, no AVX2: an ARM Mac):
+  int4 groups of 32 (`aten._weight_int4pack_mm_for_cpu`; the Q4 types map exactly, only the scales
+  round to bf16) and int8 with one scale per row (`aten._weight_int8pack_mm`; Q8_0 requantized per
+  row). Both are fast only with bf16 activations, so the input is cast to bf16 around them.
 
-Any other tensor (F32/F16/BF16, Q5_x, the K-quants, or a safetensors weight) is dequantized with
-`gguf`'s own code (or taken as is) and quantized to the requested form: int4 by min/max per group
-of 32, int8 by absmax per row.
-
-Activations: the kernels are fast only with bf16 activations on this CPU (fp32 activations run the
-same kernels 3-40x slower than the fp32 linear; `rosechat bench quant` measures it), so a packed linear casts its input
-to bf16, multiplies, and casts the result back to the model's dtype.
-
-Raw block bytes come from the `gguf` package's reader (`ReaderTensor.data`, one uint8 row per
-matrix row, and `GGMLQuantizationType`); `gguf.dequantize` is only the fallback for block types
-that have no exact mapping (and the reference in tests).
+Any other tensor (F32/F16/BF16, or a safetensors weight) is dequantized (or taken as is) and
+quantized to the requested form: int4 by min/max per group of 32, int8 by absmax per block or row.
+Raw block bytes come from the `gguf` package's reader (`ReaderTensor.data`); `gguf.dequantize` is
+only the fallback for types with no exact mapping (and the reference in tests).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -38,9 +32,14 @@ from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API l
     GGUFBlocks,
     int4_from_blocks,
     int8_from_blocks,
+    nibbles,
+    q4_from_blocks,
+    q8_from_blocks,
     quantize_int4,
     quantize_int8,
+    quantize_q8,
 )
+from kernels import cpu_quant
 
 MODES = ("auto", "none", "int8", "int4")
 COMPUTE_DTYPE = torch.bfloat16  # the activations the CPU kernels are fast with
@@ -50,10 +49,23 @@ _AUTO_CLASS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "
                "Q5_K": "int8", "Q6_K": "int8", "Q8_0": "int8"}
 
 
-def kernels_available() -> bool:
+def torch_kernels_available() -> bool:
     ops = torch.ops.aten
     return all(hasattr(ops, op) for op in
                ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
+
+
+def kernels_available() -> bool:
+    """Some route for packed weights exists on this machine (ours, or torch's as the fallback)."""
+    return cpu_quant.available() or torch_kernels_available()
+
+
+def route() -> str:
+    """Which kernels packed weights use here: "rosechat" (kernels/cpu_quant.cpp) where it builds,
+    else "torch". ROSECHAT_QUANT_KERNELS=torch picks torch's (to compare the two)."""
+    if os.environ.get("ROSECHAT_QUANT_KERNELS") == "torch" or not cpu_quant.available():
+        return "torch"
+    return "rosechat"
 
 
 def auto_mode(type_name: str) -> str:
@@ -166,9 +178,89 @@ class Int8Weight(PackedWeight):
         return self.q.float() * self.scale.float()[:, None]
 
 
+class Q4Weight(PackedWeight):
+    """GGUF-style 4-bit blocks for kernels/cpu_quant.cpp: nibbles [out, in/2], d and m [out, in/32]."""
+
+    mode = "int4"
+
+    def __init__(self, qs: Tensor, d: Tensor, m: Tensor) -> None:
+        self.shape = (qs.shape[0], qs.shape[1] * 2)
+        self.qs, self.d, self.m = qs.contiguous(), d.float().contiguous(), m.float().contiguous()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+        out = cpu_quant.q4_linear(x2, self.qs, self.d, self.m).to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+        return out if bias is None else out + bias
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        nib = self.qs[ids].view(*ids.shape, -1, GROUP // 2)  # [*ids, blocks, 16]
+        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1).float()  # element j low, j + 16 high
+        return (q * self.d[ids][..., None] + self.m[ids][..., None]).flatten(-2).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+    def dequantize(self) -> Tensor:
+        return self.rows(torch.arange(self.shape[0]), torch.float32)
+
+
+class Q8Weight(PackedWeight):
+    """8-bit blocks of 32 for kernels/cpu_quant.cpp: int8 [out, in], d [out, in/32]."""
+
+    mode = "int8"
+
+    def __init__(self, qs: Tensor, d: Tensor) -> None:
+        self.shape = tuple(qs.shape)
+        self.qs, self.d = qs.contiguous(), d.float().contiguous()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+        out = cpu_quant.q8_linear(x2, self.qs, self.d).to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+        return out if bias is None else out + bias
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        q = self.qs[ids].view(*ids.shape, -1, GROUP).float()
+        return (q * self.d[ids][..., None]).flatten(-2).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes
+
+    def dequantize(self) -> Tensor:
+        return self.rows(torch.arange(self.shape[0]), torch.float32)
+
+
+def _dense(source: Tensor | GGUFBlocks) -> Tensor:
+    return source.dequantize() if isinstance(source, GGUFBlocks) else source
+
+
 def pack(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool = False) -> PackedWeight:
-    """One [out, in] matrix (dense, or GGUF blocks) packed as `mode` ("int4" or "int8"): exact
-    from Q4_0/Q4_1 (int4) and per-row requantized from Q8_0 (int8); anything else through fp32."""
+    """One [out, in] matrix (dense, or GGUF blocks) packed as `mode` ("int4" or "int8") for our
+    kernels, or torch's where ours are unavailable: exact from the block types that map, anything
+    else through fp32."""
+    if mode not in ("int4", "int8"):
+        raise ValueError(f"cannot pack as {mode!r}: int4 or int8")
+    blocks = source if isinstance(source, GGUFBlocks) else None
+    if route() == "rosechat":
+        if mode == "int4":
+            parts = q4_from_blocks(blocks) if blocks else None
+            if parts is None:
+                q, scale, zero = quantize_int4(_dense(source))
+                parts = nibbles(q), scale, zero - 8 * scale
+            return Q4Weight(*parts)
+        return Q8Weight(*((q8_from_blocks(blocks) if blocks else None) or quantize_q8(_dense(source))))
+    return _pack_for_torch(source, mode, keep_rows)
+
+
+def _pack_for_torch(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool) -> PackedWeight:
+    """torch's forms: exact from Q4_0/Q4_1/Q4_K (int4), per-row requantized from Q8_0 (int8)."""
     if mode == "int4":
         parts = int4_from_blocks(source) if isinstance(source, GGUFBlocks) else None
         if parts is None:
@@ -181,7 +273,6 @@ def pack(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool = False) -> Pac
             dense = source.dequantize() if isinstance(source, GGUFBlocks) else source
             parts8 = quantize_int8(dense)
         return Int8Weight(*parts8)
-    raise ValueError(f"cannot pack as {mode!r}: int4 or int8")
 
 
 def concat_rows(parts: list[Tensor | GGUFBlocks]) -> Tensor | GGUFBlocks:
@@ -347,6 +438,8 @@ __all__ = [
     "PackedEmbedding",
     "PackedLinear",
     "PackedWeight",
+    "Q4Weight",
+    "Q8Weight",
     "auto_mode",
     "kernels_available",
     "pack",
@@ -355,5 +448,7 @@ __all__ = [
     "packed_modules",
     "quantize_int4",
     "quantize_int8",
+    "quantize_q8",
+    "route",
     "swap_in_packed",
 ]

@@ -1,6 +1,10 @@
-"""GGUF blocks as integers: exact repacking of Q4_0 / Q4_1 / Q4_K into int4 groups of 32 and of
-Q8_0 into int8 per row, and plain int4 / int8 quantization of any other weight (engine/quant.py
-packs the results)."""
+"""GGUF blocks as integers, for engine/quant.py to pack.
+
+Two targets. Our CPU kernels (kernels/cpu_quant.cpp) take blocks of 32 as GGUF has them: q4 nibbles
+with a scale and a minimum per block (Q4_0, Q4_1 and Q4_K's sub-blocks exactly), q8 with a scale
+per block (Q8_0 exactly; Q5_x / Q6_K and float weights requantized per block of 32). torch's own
+weight-only kernels (the fallback) take int4 groups of 32 (the Q4 types exactly) and int8 with one
+scale per row (Q8_0 requantized per row)."""
 
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ def _nibbles(qs: Tensor) -> Tensor:
 
 def _q4_k(data: Tensor, out_f: int, in_f: int) -> tuple[Tensor, Tensor, Tensor]:
     """Q4_K super-blocks (256 weights, 144 bytes: d, dmin, 12 bytes of 6-bit scales and mins for
-    8 sub-blocks of 32, 128 bytes of nibbles): sub-block j is `d * sc_j * q - dmin * m_j`."""
+    8 sub-blocks of 32, 128 bytes of nibbles): sub-block j is `d * sc_j * q - dmin * m_j`.
+    Returns (q uint8 [out, in], scale, minimum [out, in/32]): `w = q * scale + minimum`."""
     d, dmin = _f16(data, 0), _f16(data, 2)  # [out, supers]
     sc_bytes = data[..., 4:16].to(torch.int32)
     low, high = sc_bytes[..., 0:4], sc_bytes[..., 4:8]
@@ -67,9 +72,7 @@ def _q4_k(data: Tensor, out_f: int, in_f: int) -> tuple[Tensor, Tensor, Tensor]:
     mn = torch.cat((high & 63, (extra >> 4) | ((high >> 6) << 4)), dim=-1).float()
     qs = data[..., 16:144].reshape(*data.shape[:-1], 4, 32)  # 4 chunks of 64 weights
     q = torch.stack((qs & 0x0F, qs >> 4), dim=-2).reshape(out_f, in_f)  # chunk i: low nibbles, then high
-    scale = (d[..., None] * sc).reshape(out_f, -1)
-    zero = (8 * d[..., None] * sc - dmin[..., None] * mn).reshape(out_f, -1)
-    return q, scale, zero
+    return q, (d[..., None] * sc).reshape(out_f, -1), (-dmin[..., None] * mn).reshape(out_f, -1)
 
 
 def int4_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -80,7 +83,8 @@ def int4_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor] | None
     out_f, in_f = blocks.shape
     if blocks.type_name == "Q4_K":
         data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // 256, -1)
-        return _q4_k(data, out_f, in_f)
+        q, scale, minimum = _q4_k(data, out_f, in_f)
+        return q, scale, minimum + 8 * scale
     data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // GROUP, -1)  # a writable copy
     d = _f16(data, 0)
     if blocks.type_name == "Q4_0":
@@ -126,3 +130,50 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     scale = w.abs().amax(-1) / 127
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     return torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+# ------------------------------------------------------------ blocks of 32 for kernels/cpu_quant.cpp
+def nibbles(q: Tensor) -> Tensor:
+    """uint8 [out, in] in 0..15 -> [out, in/2] in GGML's order (per 32: byte j = q[j] | q[j + 16] << 4)."""
+    out_f, in_f = q.shape
+    g = q.view(out_f, in_f // GROUP, 2, GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(out_f, in_f // 2)
+
+
+def q4_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Q4_0 / Q4_1 / Q4_K -> (nibbles uint8 [out, in/2], d, m float32 [out, in/32]), exact:
+    `w = q * d + m` per block of 32; None for other types."""
+    out_f, in_f = blocks.shape
+    if blocks.type_name == "Q4_K":
+        q, scale, minimum = _q4_k(torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // 256, -1), out_f, in_f)
+        return nibbles(q), scale, minimum
+    if blocks.type_name not in ("Q4_0", "Q4_1"):
+        return None
+    data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // GROUP, -1)  # a writable copy
+    d = _f16(data, 0)
+    if blocks.type_name == "Q4_0":  # (q - 8) * d
+        return data[..., 2:18].reshape(out_f, in_f // 2).contiguous(), d, -8 * d
+    return data[..., 4:20].reshape(out_f, in_f // 2).contiguous(), d, _f16(data, 2)
+
+
+def q8_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor] | None:
+    """Q8_0 -> (int8 [out, in], d float32 [out, in/32]), exact; None for other types."""
+    if blocks.type_name not in _INT8_NATIVE:
+        return None
+    out_f, in_f = blocks.shape
+    data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // GROUP, -1)
+    return data[..., 2:34].reshape(out_f, in_f).contiguous().view(torch.int8), _f16(data, 0)
+
+
+def quantize_q8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Dense [out, in] -> (int8, d [out, in/32]) by absmax per block of 32 (as GGUF's Q8_0)."""
+    out_f, in_f = w.shape
+    qs = torch.empty(out_f, in_f, dtype=torch.int8)
+    d = torch.empty(out_f, in_f // GROUP)
+    for start in range(0, out_f, _CHUNK_ROWS):  # by rows: the fp32 temporaries stay small
+        g = w[start : start + _CHUNK_ROWS].float().reshape(-1, in_f // GROUP, GROUP)
+        scale = g.abs().amax(-1) / 127
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        qs[start : start + _CHUNK_ROWS] = torch.round(g / safe[..., None]).clamp_(-127, 127).to(torch.int8).flatten(1)
+        d[start : start + _CHUNK_ROWS] = scale
+    return qs, d

@@ -1,0 +1,84 @@
+"""kernels/cpu_quant.cpp against a float64 reference: the q4 / q8 block formats, activations
+quantized per block of 32 to int16, every shape path (row tiles of x, output-row tiles, leftovers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_quant
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason=f"{cpu_quant.unavailable_reason()}")
+
+
+def _quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies: x rounded per block of 32 to int16 steps of max|x| / 32767."""
+    rows, k = x.shape
+    blocks = x.double().view(rows, k // 32, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    step = top / 32767
+    q = torch.round(blocks / torch.where(top > 0, step, torch.ones_like(step)))
+    return (q * step).view(rows, k)
+
+
+def _q4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    d = torch.rand(n, k // 32, generator=gen) * 0.02
+    m = -torch.rand(n, k // 32, generator=gen) * 0.1
+    g = q.view(n, k // 32, 2, 16)
+    qs = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)  # GGML order: byte j = q[j] | q[j + 16] << 4
+    w = (q.view(n, k // 32, 32).double() * d.double()[..., None] + m.double()[..., None]).view(n, k)
+    return (qs, d, m), w
+
+
+def _q8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    d = torch.rand(n, k // 32, generator=gen) * 0.01
+    return (q, d), (q.view(n, k // 32, 32).double() * d.double()[..., None]).view(n, k)
+
+
+SHAPES = [(1, 576, 960), (2, 64, 5), (3, 1536, 577), (8, 576, 100), (17, 96, 33)]
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("rows, k, n", SHAPES)
+def test_matches_float64_reference(fmt: str, rows: int, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    weight, w = (_q4 if fmt == "q4" else _q8)(n, k, gen)
+    x = torch.randn(rows, k, generator=gen)
+    x[0, :32] = 0  # an all-zero block (scale 0)
+    x[-1, 40] = 300.0  # an outlier: only its own block gets coarser
+    y = (cpu_quant.q4_linear if fmt == "q4" else cpu_quant.q8_linear)(x, *weight)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    exact = x.double() @ w.T
+    emulated = _quantized_x(x) @ w.T
+    scale = exact.abs().max().item()
+    # the integer arithmetic itself is exact: only fp32 accumulation across blocks rounds
+    assert (y.double() - emulated).abs().max().item() < 1e-5 * scale
+    # int16 activations: the whole error is ~1e-5 of the output's range
+    assert (y.double() - exact).abs().max().item() < 1e-4 * scale
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_rows_are_independent_of_the_batch(fmt: str) -> None:
+    """A row's result does not depend on which rows share its call (batch invariance)."""
+    gen = torch.Generator().manual_seed(7)
+    weight, _ = (_q4 if fmt == "q4" else _q8)(37, 128, gen)
+    op = cpu_quant.q4_linear if fmt == "q4" else cpu_quant.q8_linear
+    x = torch.randn(7, 128, generator=gen)
+    together = op(x, *weight)
+    alone = torch.cat([op(x[i : i + 1].contiguous(), *weight) for i in range(7)])
+    assert torch.equal(together, alone)
+
+
+def test_bad_inputs_are_refused_clearly() -> None:
+    gen = torch.Generator().manual_seed(0)
+    (qs, d, m), _ = _q4(8, 64, gen)
+    with pytest.raises(RuntimeError, match="x has 32 columns; the weight takes 64"):
+        cpu_quant.q4_linear(torch.randn(2, 32), qs, d, m)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        cpu_quant.q4_linear(torch.randn(2, 64, dtype=torch.float64), qs, d, m)
+    with pytest.raises(RuntimeError, match="block scales"):
+        cpu_quant.q4_linear(torch.randn(2, 64), qs, d[:, :1].contiguous(), m)
+    with pytest.raises(RuntimeError, match="q8 weight"):
+        cpu_quant.q8_linear(torch.randn(2, 64), qs, d)
