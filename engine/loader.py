@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from engine import demo, quant
+from engine.config import cpu_has_bf16
 from engine.gguf_file import GGUFModel
 from engine.model_source import (  # noqa: F401  (re-exported: engine.loader is where they were)
     PACKAGED_MODELS,
@@ -80,6 +81,8 @@ def load_model(
     quantization = quantization or source.quantization
     if quantization not in QUANT_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANT_MODES)}; got {quantization!r}")
+    if quantization == "auto" and (device.type != "cpu" or not quant.kernels_available()):
+        quantization = "none"  # "auto" packs only where there are kernels for it: dequantize elsewhere
     if source.kind == "demo":
         return _load_demo(source.name, dtype, device)
     if source.kind == "gguf":
@@ -114,7 +117,7 @@ def _load_gguf(
     gguf = source.gguf or GGUFModel(source.path)
     config, tokenizer = gguf.config_and_tokenizer(say)
     net = build_model(config, dtype, torch.device("meta"))
-    raw = _plan_packing(net, config, gguf, quantization, device, dtype)
+    raw = _plan_packing(net, config, gguf, quantization, device, dtype, say)
     net = net.to_empty(device=device).requires_grad_(False)
     size = source.path.stat().st_size / 2**20
 
@@ -139,13 +142,14 @@ def _load_gguf(
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
-    """torch dtype from a dtype or a name ("float32", "bf16", "auto": bfloat16 on CUDA, float32 on CPU)."""
+    """torch dtype from a dtype or a name ("float32", "bf16", "auto": bfloat16 on CUDA and on CPUs
+    that compute in it natively, float32 on other CPUs)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype.lower().removeprefix("torch.")
     if name == "auto":
         if device.type != "cuda":
-            return torch.float32
+            return torch.bfloat16 if cpu_has_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
     result = getattr(torch, aliases.get(name, name), None)
@@ -155,7 +159,8 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
 
 
 def _plan_packing(
-    net: nn.Module, config: Any, gguf: GGUFModel, quantization: str, device: torch.device, dtype: torch.dtype
+    net: nn.Module, config: Any, gguf: GGUFModel, quantization: str, device: torch.device, dtype: torch.dtype,
+    say: Progress,
 ) -> set[str]:
     """Swap the modules `quantization` packs into packed ones (the model is still on meta) and
     return the checkpoint names to read as raw GGUF blocks."""
@@ -164,6 +169,7 @@ def _plan_packing(
     if gguf.arch == "gpt2" and quantization == "auto":
         return set()
     _check_packing(net, quantization, device)
+    say(f"packed weights: {quant.route()} kernels")  # builds ours on first use (a few seconds, once)
     packable = _packable(net)
     modes: dict[str, str] = {}
     raw: set[str] = set()
@@ -187,8 +193,8 @@ def _plan_packing(
 
 def _check_packing(net: nn.Module, quantization: str, device: torch.device) -> None:
     if device.type != "cpu" or not quant.kernels_available():
-        raise ValueError(f"quantization {quantization!r} runs on the CPU only (torch's weight-only kernels); "
-                         f"use quantization 'none' on {device}")
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only (no packed-weight kernels for "
+                         f"{device}): use quantization 'none' or 'auto'")
     if not hasattr(net, "packed_modules") or type(net).__name__.startswith("GPT2"):
         raise ValueError("packed weights are not supported for GPT-2 models yet: use quantization 'none' or 'auto'")
 

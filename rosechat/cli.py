@@ -61,10 +61,10 @@ def _options(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--model", metavar="PATH_OR_ID",
                    help='a .gguf file, a folder (one .gguf, or a Hugging Face model), a hub id, '
                    '"smollm2-135m-instruct" (the default) or "demo" (random weights)')
-    m.add_argument("--dtype", choices=DTYPES, help="weights and KV cache (auto: bfloat16 on CUDA, float32 on CPU)")
+    m.add_argument("--dtype", choices=DTYPES, help="weights and KV cache (auto: bfloat16 on CUDA and bf16-capable CPUs, else float32)")
     m.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="GGUF weights on the CPU: none (dequantized), auto (packed in the file's precision), "
-                   "int8, int4")
+                   help="weights on the CPU: auto (the default: GGUF tensors packed as the file has them), "
+                   "none (dequantized: exact), int8, int4")
     m.add_argument("--device", help='"auto", "cpu", "cuda", "cuda:N"')
     m.add_argument("--backend", choices=BACKENDS, help="paged-attention implementation (auto: triton on CUDA)")
     m.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (0 = one per core)")

@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     if source.kind not in ("gguf", "hf"):
         print("rosechat bench parity: needs a GGUF file or a Hugging Face model folder", file=sys.stderr)
         return 2
-    engine = LLMEngine.from_pretrained(source, dtype="float32", device="cpu")
+    engine = LLMEngine.from_pretrained(source, dtype="float32", device="cpu", quantization="none")  # dequantized: exact
     results = measure(engine, transformers_model(source), PROMPTS[: args.prompts], args.max_tokens)
     print(f"model {source.display_name} ({Path(source.path)}): rosechat vs transformers on the same file, greedy")
     print(f"{'prompt':<44} {'tokens':>6} {'top-1':>7} {'max |dlogit|':>13} {'worst gap':>10}")

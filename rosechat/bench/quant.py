@@ -144,24 +144,52 @@ def _status() -> dict[str, int]:
         return {line.split(":")[0]: int(line.split()[1]) << 10 for line in f if line.startswith(keys)}
 
 
+LLAMA_CPP = "llama.cpp"  # the peer system: llama-cpp-python on the same GGUF file (pip install -e '.[llamacpp]')
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: str, streams: str) -> dict:
-    """One system in a fresh process (its memory is its own): load, then decode greedily."""
-    from engine import EngineConfig, LLMEngine, SamplingParams, load_model, packed_bytes, resolve_model
+    """One system in a fresh process (its memory is its own): load, then decode greedily. `mode`:
+    a quantization, "auto/torch" (auto through torch's kernels instead of ours) or "llama.cpp"."""
+    from engine import resolve_model
 
     torch.set_num_threads(int(threads))
     source = resolve_model(model)
-    if source.gguf is not None:
-        source.gguf.config_and_tokenizer()  # converted once and cached: not part of the weights
+    if source.gguf is not None:  # converted once and cached: not part of the weights
+        tokenizer = source.gguf.config_and_tokenizer()[1]
+    elif mode == LLAMA_CPP:
+        raise ValueError("llama.cpp needs a GGUF file")
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+    text = "Tell me a long story about a cat who sails around the world and the friends she meets. " * 8
+    ids = tokenizer.encode(text, add_special_tokens=False)[: int(prompt_tokens)]
+    run = _llama_cpp if mode == LLAMA_CPP else _rosechat
+    result = run(source, mode, int(threads), ids, int(new_tokens), int(streams))
+    return {"mode": mode, "file_bytes": source.path.stat().st_size if source.path else 0,
+            "streams": int(streams), "threads": int(threads), **result}
+
+
+def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_streams: int) -> dict:
+    from engine import EngineConfig, LLMEngine, SamplingParams, load_model, packed_bytes
+
+    quantization, _, kernels = mode.partition("/")
+    if kernels:
+        os.environ["ROSECHAT_QUANT_KERNELS"] = kernels
     before = _status()
     start = time.perf_counter()
-    loaded = load_model(source, quantization=mode)
+    loaded = load_model(source, quantization=quantization)
     load_s = time.perf_counter() - start
     after = _status()
-    n_prompt, n_new, n_streams = int(prompt_tokens), int(new_tokens), int(streams)
+    n_prompt = len(ids)
     engine = LLMEngine(loaded, EngineConfig(model=loaded.name, block_size=16,
                                             num_blocks=n_streams * (-(-(n_prompt + n_new) // 16) + 1) + 4))
-    text = "Tell me a long story about a cat who sails around the world and the friends she meets. " * 8
-    ids = loaded.tokenizer.encode(text, add_special_tokens=False)[:n_prompt]
     params = SamplingParams(max_tokens=n_new, ignore_eos=True)
     engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for i in range(n_streams):
@@ -176,13 +204,42 @@ def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: 
         done += sum(1 for o in outputs if o.finished)
     end = time.perf_counter()
     return {
-        "mode": mode, "load_s": round(load_s, 2), "file_bytes": source.path.stat().st_size if source.path else 0,
-        "packed_bytes": packed_bytes(loaded.model),
+        "load_s": round(load_s, 2), "packed_bytes": packed_bytes(loaded.model),
         "dense_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
         "rss_before": before, "rss_after": after,
         "prefill_tok_s": round(n_streams * n_prompt / (first - t0), 1),
         "decode_tok_s": round(n_streams * (n_new - 1) / (end - first), 1),
-        "streams": n_streams, "threads": int(threads),
+    }
+
+
+def _llama_cpp(source, mode: str, threads: int, ids: list[int], n_new: int, n_streams: int) -> dict:
+    """llama.cpp's high-level API runs one sequence at a time: n streams run one after another."""
+    from llama_cpp import Llama
+
+    before = _status()
+    start = time.perf_counter()
+    llm = Llama(model_path=str(source.path), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                n_batch=512, verbose=False)
+    load_s = time.perf_counter() - start
+    after = _status()
+    list(zip(range(4), llm.generate(ids, temp=0.0, top_k=1, reset=True)))  # warm-up
+    prefill_s = decode_s = 0.0
+    for i in range(n_streams):
+        prompt = [*ids[:-1], (ids[-1] + i) % llm.n_vocab()]
+        t0 = time.perf_counter()
+        first = None
+        for n, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True), start=1):
+            if first is None:
+                first = time.perf_counter()
+            if n >= n_new:
+                break
+        prefill_s += first - t0
+        decode_s += time.perf_counter() - first
+    return {
+        "load_s": round(load_s, 2), "packed_bytes": source.path.stat().st_size, "dense_bytes": 0,
+        "rss_before": before, "rss_after": after,
+        "prefill_tok_s": round(n_streams * len(ids) / prefill_s, 1),
+        "decode_tok_s": round(n_streams * (n_new - 1) / decode_s, 1),
     }
 
 
@@ -206,10 +263,12 @@ def run_decode(model: str, modes: list[str], threads: int, prompt_tokens: int, n
 
 def render_decode(results: list[dict]) -> str:
     mib = 2**20
-    head = (f"{'quantization':<14}{'streams':>8}{'load s':>8}{'weights MiB':>13}{'+RssAnon MiB':>14}"
+    head = (f"{'system':<14}{'streams':>8}{'load s':>8}{'weights MiB':>13}{'+RssAnon MiB':>14}"
             f"{'+RSS MiB':>10}{'RSS/file':>10}{'prefill tok/s':>15}{'decode tok/s':>14}")
     lines = [head, "-" * len(head)]
     for r in results:
+        if r["mode"] == LLAMA_CPP and r["streams"] > 1:
+            r = {**r, "mode": "llama.cpp seq"}  # its Python API: one sequence at a time
         anon = r["rss_after"]["RssAnon"] - r["rss_before"]["RssAnon"]
         rss = r["rss_after"]["VmRSS"] - r["rss_before"]["VmRSS"]
         weights = r["packed_bytes"] + r["dense_bytes"]
@@ -254,14 +313,23 @@ def main_decode(argv: list[str]) -> int:
                                 description="Each quantization in a fresh process: resident memory after load "
                                 "(against the file size) and greedy decode tok/s.")
     p.add_argument("--model", default="smollm2-135m-instruct", help="a .gguf file or a packaged model")
-    p.add_argument("--quantization", default="none,auto,int8", help="comma-separated: none, auto, int8, int4")
+    p.add_argument("--quantization", default="none,auto/torch,auto",
+                   help="comma-separated: none, auto, int8, int4; X/torch: X through torch's kernels, not ours")
+    p.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run llama.cpp on the same file, same threads (default: when llama-cpp-python "
+                   "is installed: pip install -e '.[llamacpp]')")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--prompt-tokens", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--streams", default="1", help="comma-separated numbers of concurrent greedy streams")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    results = run_decode(args.model, args.quantization.split(","), args.threads, args.prompt_tokens,
+    modes = args.quantization.split(",")
+    if args.llama_cpp or (args.llama_cpp is None and llama_cpp_available()):
+        if not llama_cpp_available():
+            p.error("--llama-cpp: llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
+        modes.append(LLAMA_CPP)
+    results = run_decode(args.model, modes, args.threads, args.prompt_tokens,
                          args.max_tokens, [int(n) for n in args.streams.split(",")])
     load = os.getloadavg()[0]
     if args.json:
