@@ -13,10 +13,8 @@ from kernels import DecodePlan, paged_decode_attention, paged_prefill_attention,
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the model runner and shared by every layer.
-
-    Tokens are packed decodes first (one per sequence), then the new tokens of each prefill.
-    """
+    """Built once per step by the model runner, shared by every layer. Tokens are packed decodes first (one
+    per sequence), then the new tokens of each prefill."""
 
     slot_mapping: Tensor  # [T] int64: slot of every new token, -1 = do not write
     num_decode_tokens: int
@@ -67,9 +65,8 @@ class AttentionBackend:
 
 
 class Attention(nn.Module):
-    """Holds no weights and no cache: this layer's index into the pool the metadata's backend
-    owns. The backend writes this step's K/V into the paged cache, then attends through the
-    block tables."""
+    """No weights, no cache: this layer's index into the pool of the metadata's backend, which writes this
+    step's K/V into the paged cache, then attends through the block tables."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int = 0) -> None:
         super().__init__()

@@ -83,21 +83,16 @@ class EngineCore:
         device, dtype = torch.device(config.device), config.torch_dtype
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        block_bytes = ModelRunner.kv_bytes_per_block(
-            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, config.block_size, dtype
-        )
-        num_blocks = config.resolve_num_blocks(block_bytes)
-        self.kv_block_bytes = block_bytes
-        self.max_model_len = min(loaded.max_model_len, num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        layers, bs, kv_heads, head_dim = loaded.num_layers, config.block_size, loaded.num_kv_heads, loaded.head_dim
+        self.kv_block_bytes = 2 * layers * bs * kv_heads * head_dim * dtype.itemsize  # K and V, all layers
+        num_blocks = config.resolve_num_blocks(self.kv_block_bytes)
+        self.max_model_len = min(loaded.max_model_len, num_blocks * bs)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            loaded.model, num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads,
-            head_dim=loaded.head_dim, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
-            device=device, backend=config.attention_backend,
-        )  # fmt: skip
+        kv_shape = (layers, num_blocks, bs, kv_heads, head_dim)
+        self.runner = ModelRunner(loaded.model, kv_shape, dtype, device, config.attention_backend)
         if config.cuda_graphs:
-            self.runner.capture_decode_graphs(config.max_num_seqs, cdiv(self.max_model_len, config.block_size))
+            self.runner.capture_decode_graphs(config.max_num_seqs, cdiv(self.max_model_len, bs))
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = set(loaded.eos_token_ids)
@@ -185,7 +180,7 @@ class EngineCore:
         if group is not None:
             try:
                 for seq in group.seqs:
-                    if not seq.is_finished and seq.status is not SequenceStatus.PARKED:
+                    if seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
                         self._finish(seq, "abort")
             except Exception as e:  # e.g. its detokenizer's flush: end the request with the error
                 self._fail(group, f"{type(e).__name__}: {e}")
@@ -235,7 +230,7 @@ class EngineCore:
     def _stats(self, batch: ScheduledBatch, schedule_s: float) -> StepStats:
         bm = self.block_manager
         return StepStats(
-            len(batch), batch.num_decodes, sum(batch.num_tokens),
+            len(batch.seqs), batch.num_decodes, sum(batch.num_tokens),
             sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_tokens)),
             bm.num_blocks - bm.num_free_blocks, sum(len(s.block_table) for s in bm.holders.values()),
             schedule_s, 0.0, 0.0, 0.0,

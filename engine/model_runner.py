@@ -38,28 +38,15 @@ def find_shared_prefixes(
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        backend: str,
-    ) -> None:
-        self.model = model
-        assert block_size & (block_size - 1) == 0, "block sizes are powers of two (slots use shifts)"
-        self.block_size = block_size
-        self.device = device
-        self.backend = backend
-        # One pool for all layers: a block id is valid in every layer.
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, backend: str) -> None:  # fmt: skip
+        self.model, self.device, self.backend = model, device, backend
+        self.block_size = kv_shape[2]
+        assert self.block_size & (self.block_size - 1) == 0, "block sizes are powers of two (slots use shifts)"
+        # One pool for all layers, [num_layers, num_blocks, block_size, kv_heads, head_dim]: a block id is
+        # valid in every layer.
+        self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.attention = AttentionBackend(self.k_cache, self.v_cache, backend)
         self.graphs: DecodeGraphs | None = None
         self.last_prepare_s = 0.0  # input preparation time of the latest run (StepStats)
@@ -71,10 +58,6 @@ class ModelRunner:
                 self.model, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
                 device=self.device, attention=self.attention,
             )  # fmt: skip
-
-    @staticmethod
-    def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)

@@ -1,9 +1,6 @@
-"""Sampler: next tokens from one step's logits, vectorised over the batch with per-row parameters.
-
-Order (as in HF `generate` and vLLM): repetition penalty, greedy argmax, temperature, top-k and top-p
-(one shared sort), min-p, then an exponential-race draw. Each stage runs only when some row needs
-it, so an all-greedy batch is a single argmax.
-"""
+"""Next tokens from one step's logits, vectorised over the batch with per-row parameters. Order as in HF
+`generate` and vLLM: repetition penalty, greedy argmax, temperature, top-k and top-p (one shared sort), min-p,
+then an exponential-race draw. A stage runs only when some row needs it: an all-greedy batch is one argmax."""
 
 from __future__ import annotations
 
@@ -25,10 +22,7 @@ def _splitmix64(x: int) -> int:
 
 
 def make_generator(seed: int | None, index: int, device: torch.device | str) -> torch.Generator | None:
-    """The random stream of sample `index` of a request seeded with `seed` (None when unseeded).
-
-    Hashing (seed, index) gives the n samples of one request distinct but reproducible streams.
-    """
+    """Sample `index`'s random stream (None when unseeded): hashing (seed, index) keeps n samples distinct."""
     if seed is None:
         return None
     g = torch.Generator(device=device)
@@ -62,8 +56,6 @@ class SamplingTensors:
         generators: list[torch.Generator | None],
         device: torch.device | str,
     ) -> SamplingTensors:
-        if len(generators) != len(params):
-            raise ValueError(f"{len(params)} rows of params but {len(generators)} generators")
         greedy = [p.greedy for p in params]
         # Greedy rows get neutral values so they never switch a filtering stage on.
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
@@ -92,13 +84,8 @@ class SamplingTensors:
 
 
 def apply_repetition_penalty(logits: Tensor, seen_token_ids: list[list[int]], penalties: Tensor) -> Tensor:
-    """HF semantics: a seen token's logit is divided by p if positive, multiplied by p otherwise.
-
-    Vectorised with a [B, S] index tensor. Each row is padded with its own first token (so padding
-    writes the same value as the real entry), and rows with nothing seen get penalty 1.
-    """
-    if len(seen_token_ids) != logits.shape[0]:
-        raise ValueError(f"{logits.shape[0]} rows of logits but {len(seen_token_ids)} seen lists")
+    """HF semantics: a seen token's logit is divided by p if positive, multiplied by p otherwise. Rows are
+    padded with their own first token (padding rewrites the same value); rows with nothing seen get p = 1."""
     width = max((len(ids) for ids in seen_token_ids), default=0)
     if width == 0:
         return logits
@@ -112,11 +99,8 @@ def apply_repetition_penalty(logits: Tensor, seen_token_ids: list[list[int]], pe
 
 
 def apply_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and nucleus; one descending sort serves both.
-
-    top_ks: [B] int64, 0 = off. top_ps: [B] float, 1 = off. Either may be None (stage skipped).
-    The nucleus is the smallest set of top tokens whose probability reaches p; it is never empty.
-    """
+    """Mask (to -inf) tokens outside each row's top-k (0 = off) and nucleus (1 = off; None skips either stage):
+    the smallest set of top tokens whose probability reaches p, never empty. One descending sort serves both."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_ks is not None:
