@@ -1,8 +1,5 @@
-"""Conversations: a layer on the engine core. A chat's sequence stays parked between turns with
-its blocks; the next turn appends to it, so only tokens past the common prefix are prefilled.
-
-Start, submit a turn (chat-template token reuse, fitting the context), fork (zero-copy), drop.
-"""
+"""Conversations, a layer on the engine core: a chat's sequence stays parked with its blocks between turns
+and the next turn appends to it, so only tokens past the common prefix are prefilled."""
 
 from __future__ import annotations
 
@@ -19,9 +16,9 @@ from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceSta
 
 @dataclass
 class Spelled:
-    """What a sequence's tokens spell in the chat template: its turn's prompt text, and once the
-    turn ends the text its prompt + reply spell, with how many tokens spell it (a final stop token
-    does not). Tokens re-encoded from text need not be the ones generated: these keep the KV."""
+    """What a sequence's tokens spell in the chat template: its turn's prompt, and once the turn ends its
+    prompt + reply with how many tokens spell it (not a final stop token). Re-encoded text need not give
+    the generated tokens back: keeping these keeps their KV."""
 
     prompt_text: str | None
     chat_text: str | None = None
@@ -86,7 +83,7 @@ class LLMEngine(EngineCore):
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
     def start_conversation(self, conversation_id: str | None = None) -> str:
-        cid = conversation_id or self._new_id("conv")
+        cid = conversation_id or f"conv-{next(self._ids)}"
         if cid in self.conversations:
             raise RequestError(f"conversation {cid!r} already exists")
         self.conversations[cid] = Conversation(cid)
@@ -113,9 +110,8 @@ class LLMEngine(EngineCore):
             # conversation's sequence; the next step sends it.
             self._ended.append(self._end(current))
         params = params or SamplingParams()
-        dropped = 0
         if messages and isinstance(messages[0], int):
-            tokens, text = list(messages), None
+            tokens, text, dropped = list(messages), None, 0
         else:
             tokens, text, dropped = self._fit_chat(messages, conv, params.max_tokens)
         room = self.max_model_len - len(tokens)
@@ -133,11 +129,7 @@ class LLMEngine(EngineCore):
             self.block_manager.prefix_queries += len(tokens)  # the panel's hit rate counts this reuse
             self.block_manager.prefix_hits += child.num_computed_tokens
             conv.seqs = [child]
-        best, best_len = None, -1
-        for seq in conv.seqs:
-            m = common_prefix_len(seq.token_ids, tokens)
-            if m > best_len:
-                best, best_len = seq, m
+        best = max(conv.seqs, key=lambda s: common_prefix_len(s.token_ids, tokens), default=None)
         for seq in conv.seqs:
             if seq is not best:
                 self.scheduler.release(seq)
@@ -146,7 +138,7 @@ class LLMEngine(EngineCore):
         else:
             # Drop what the new history does not share (an edit, a re-rendered template, the
             # alternatives not chosen); keep at least the last token to compute.
-            self.block_manager.truncate(best, min(best_len, len(tokens) - 1))
+            self.block_manager.truncate(best, common_prefix_len(best.token_ids, tokens[:-1]))
             best.token_ids += tokens[len(best) :]
         conv.texts[best.seq_id] = Spelled(text)
         request_id = self.add_request(tokens, params, request_id, conversation_id=conversation_id, seq=best)
@@ -162,22 +154,17 @@ class LLMEngine(EngineCore):
         that reaches into a block the prefix cache cannot give (a partly filled or uncached one)."""
         if not self.config.enable_prefix_caching:
             return None
-        best, best_len = None, 0
-        for seq in self.scheduler.parked.values():
-            m = common_prefix_len(seq.token_ids[: seq.num_computed_tokens], tokens[:-1])
-            if m > best_len:
-                best, best_len = seq, m
-        return best if best_len >= max(1, self.block_manager.block_size // 2) else None  # less: not worth a copy
+        shared = lambda s: common_prefix_len(s.token_ids[: s.num_computed_tokens], tokens[:-1])
+        best = max(self.scheduler.parked.values(), key=shared, default=None)
+        enough = max(1, self.block_manager.block_size // 2)  # less is not worth a copy
+        return best if best is not None and shared(best) >= enough else None
 
     def _fit_chat(
         self, messages: list[dict[str, str]], conv: Conversation, max_tokens: int
     ) -> tuple[list[int], str, int]:
-        """The chat's tokens with the oldest turns left out until it fits the context, leaving
-        room for a reply (a quarter of the context at most). The system prompt always stays.
-
-        The window moves forward only: a turn drops at least what the last one did, and when it
-        must drop more it frees half the context, so the next turns append to the kept part and
-        reuse its KV instead of shifting (and recomputing) the window every turn."""
+        """The chat's tokens with the oldest turns (never the system prompt) left out until it fits the context
+        with room for a reply (at most a quarter of it). The window only moves forward, and by half the context
+        at a time, so the next turns append to the kept part and reuse its KV instead of recomputing it."""
         limit = self.max_model_len
         reserve = min(max_tokens, max(1, limit // 4))
         system = messages[:1] if messages and messages[0].get("role") == "system" else []
@@ -229,7 +216,7 @@ class LLMEngine(EngineCore):
         for seq in conv.seqs:
             self.scheduler.release(seq)
 
-    # ------------------------------------------------------------------ hooks of the core
+    # Hooks of the core
     def _parks(self, group: SequenceGroup) -> bool:
         return group.conversation_id in self.conversations
 

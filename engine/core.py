@@ -3,6 +3,7 @@ outputs). Conversations are a layer on top (engine/conversations.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -124,10 +125,6 @@ class EngineCore:
         """Tokens computed by prefill over the engine's life (a bench figure)."""
         return self.scheduler.prefill_tokens
 
-    # ------------------------------------------------------------------ requests
-    def _new_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
-
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
 
@@ -162,7 +159,7 @@ class EngineCore:
     ) -> str:  # fmt: skip
         """Queue a request; `seq` (a conversation's parked sequence) is reused with its blocks."""
         params = params or SamplingParams()
-        request_id = request_id or self._new_id("req")
+        request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = seq or Sequence(self.encode(prompt))
@@ -188,7 +185,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups or self._ended)
 
-    # ------------------------------------------------------------------ hooks of a layer on top (conversations)
+    # Hooks of the layer on top (conversations)
     def _parks(self, group: SequenceGroup) -> bool:  # does a finished sequence keep its blocks?
         return False
 
@@ -198,7 +195,6 @@ class EngineCore:
 
     def _ended_group(self, group: SequenceGroup) -> None: ...  # its final output was taken
 
-    # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         timed = self.on_step is not None
         t0 = time.perf_counter()
@@ -279,10 +275,8 @@ class EngineCore:
         except Exception:
             for group in self.groups.values():
                 for seq in group.seqs:
-                    try:  # best effort: give back what can be given back
+                    with contextlib.suppress(Exception):  # best effort: give back what can be given back
                         self.scheduler.release(seq)
-                    except Exception:
-                        pass
             self.groups.clear()
             self.outputs.requests.clear()
             self._ended.clear()
@@ -299,14 +293,10 @@ class EngineCore:
 
     def _collect(self, touched: list[SequenceGroup]) -> list[RequestOutput]:
         outputs, self._ended = self._ended, []
-        touched_ids = {g.request_id for g in touched}
         for group in touched:
             outputs.append(self._end(group) if self._group_done(group) else self.outputs.output(group, False))
         # Aborted groups that were not scheduled this step still need their final output.
-        for rid, group in list(self.groups.items()):
-            if rid not in touched_ids and self._group_done(group):
-                outputs.append(self._end(group))
-        return outputs
+        return outputs + [self._end(group) for group in list(self.groups.values()) if self._group_done(group)]
 
     def _end(self, group: SequenceGroup) -> RequestOutput:
         """The finished group's final output; it leaves the engine."""
@@ -322,7 +312,6 @@ class EngineCore:
         forked = len(group.seqs) == group.params.n or group.seqs[0].finish_reason in ("abort", "error")
         return forked and all(s.finish_reason for s in group.seqs)
 
-    # ------------------------------------------------------------------ batch API
     def generate(
         self, prompts: Seq[str] | Seq[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
@@ -340,9 +329,8 @@ class EngineCore:
         return {s.group.request_id for s in self.scheduler.waiting if s.num_output_tokens and s.group is not None}
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [len, vocab] at every position of token_ids, from one prefill through the
-        engine's own paged path (in fresh blocks, freed after): to compare with other
-        implementations. Not while requests run (it takes blocks they may need)."""
+        """fp32 logits [len, vocab] at every position of token_ids from one prefill through the engine's own
+        paged path (fresh blocks, freed after), to compare with other implementations. Only on an idle engine."""
         if self.has_unfinished_requests():
             raise RequestError("score() needs an idle engine")
         seq = Sequence(token_ids)
@@ -352,14 +340,11 @@ class EngineCore:
         finally:
             self.block_manager.free(seq)
 
-    # ------------------------------------------------------------------ introspection
     def tokens_per_s(self, window: float = 2.0) -> float:
         now = time.monotonic()
         while self._recent and now - self._recent[0][0] > window:
             self._recent.popleft()
-        if not self._recent:
-            return 0.0
-        return sum(n for _, n in self._recent) / max(now - self._recent[0][0], 1e-3)
+        return sum(n for _, n in self._recent) / max(now - self._recent[0][0], 1e-3) if self._recent else 0.0
 
     def cache_snapshot(self) -> CacheSnapshot:
         bm, sched = self.block_manager, self.scheduler

@@ -82,22 +82,14 @@ class OutputProcessor:
         state = self.requests.pop(group.request_id) if finished else self.requests[group.request_id]
         deltas = sorted(state.pending.items())
         state.pending.clear()
-        dets = state.detokenizers
-        rid, cid = group.request_id, group.conversation_id
+        dets, rid, cid = state.detokenizers, group.request_id, group.conversation_id
+        outputs = [CompletionOutput(s.index, dets[s.index].text if s.index in dets else "", s.output_token_ids,
+                                    s.finish_reason) for s in group.seqs]  # fmt: skip
         out = RequestOutput(
-            request_id=rid,
-            conversation_id=cid,
-            prompt_token_ids=group.seqs[0].token_ids[: group.prompt_len],
-            outputs=[
-                CompletionOutput(s.index, dets[s.index].text if s.index in dets else "", s.output_token_ids,
-                                 s.finish_reason)
-                for s in group.seqs
-            ],
-            finished=finished,
-            deltas=deltas,
-            error=group.error,
-        )
-        out.events = [TokenDelta(rid, cid, index, text) for index, text in deltas]
+            request_id=rid, conversation_id=cid, prompt_token_ids=group.seqs[0].token_ids[: group.prompt_len],
+            outputs=outputs, finished=finished, deltas=deltas, error=group.error,
+            events=[TokenDelta(rid, cid, index, text) for index, text in deltas],
+        )  # fmt: skip
         if finished:
             self._finalise(out, group)
         return out
@@ -118,17 +110,10 @@ class OutputProcessor:
         if out.error is not None:
             out.events.append(EngineError(out.request_id, out.conversation_id, out.error))
             return
-        out.events.append(
-            Finished(
-                request_id=out.request_id,
-                conversation_id=out.conversation_id,
-                texts=tuple(o.text for o in out.outputs),
-                finish_reasons=tuple(o.finish_reason or "stop" for o in out.outputs),
-                usage=out.usage,
-                ttft_s=out.ttft_s,
-                total_s=out.total_s,
-                tokens_per_s=out.tokens_per_s,
-                sample_tokens=tuple(len(o.token_ids) for o in out.outputs),
-                sample_tokens_per_s=tuple(out.sample_tokens_per_s),
-            )
-        )
+        out.events.append(Finished(
+            request_id=out.request_id, conversation_id=out.conversation_id, texts=tuple(o.text for o in out.outputs),
+            finish_reasons=tuple(o.finish_reason or "stop" for o in out.outputs), usage=out.usage,
+            ttft_s=out.ttft_s, total_s=out.total_s, tokens_per_s=out.tokens_per_s,
+            sample_tokens=tuple(len(o.token_ids) for o in out.outputs),
+            sample_tokens_per_s=tuple(out.sample_tokens_per_s),
+        ))  # fmt: skip

@@ -50,12 +50,8 @@ class SamplingTensors:
     any_unseeded: bool  # some sampled row has no generator
 
     @classmethod
-    def build(
-        cls,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-        device: torch.device | str,
-    ) -> SamplingTensors:
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+              device: torch.device | str) -> SamplingTensors:  # fmt: skip
         greedy = [p.greedy for p in params]
         # Greedy rows get neutral values so they never switch a filtering stage on.
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
@@ -66,21 +62,14 @@ class SamplingTensors:
         # One host->device copy for all float parameters.
         floats = torch.tensor([temps, top_ps, min_ps, penalties], dtype=torch.float32).to(device)
         return cls(
-            temperatures=floats[0],
-            top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device),
-            top_ps=floats[1],
-            min_ps=floats[2],
-            repetition_penalties=floats[3],
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            temperatures=floats[0], top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device), top_ps=floats[1],
+            min_ps=floats[2], repetition_penalties=floats[3], greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            do_top_k=any(k > 0 for k in top_ks),
-            do_top_p=any(p < 1.0 for p in top_ps),
-            do_min_p=any(p > 0.0 for p in min_ps),
+            all_greedy=all(greedy), any_greedy=any(greedy), do_top_k=any(k > 0 for k in top_ks),
+            do_top_p=any(p < 1.0 for p in top_ps), do_min_p=any(p > 0.0 for p in min_ps),
             do_penalties=any(p != 1.0 for p in penalties),
             any_unseeded=any(not g and gen is None for g, gen in zip(greedy, generators)),
-        )
+        )  # fmt: skip
 
 
 def apply_repetition_penalty(logits: Tensor, seen_token_ids: list[list[int]], penalties: Tensor) -> Tensor:
