@@ -24,8 +24,7 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: Tensor  # [num_prefills + 1] int32, offsets into the prefill part
     prefill_context_lens: Tensor  # [num_prefills] int32, cached prefix + new tokens
     backend: AttentionBackend | None = None  # the pool and kernels these tensors index
-    # CPU attention's gather plan for the decodes, built once per step; it attends the blocks that
-    # several decodes start with (a system prompt, a forked history) once for all of them
+    # the CPU decodes' gather plan: blocks several decodes start with (a system prompt) are attended once
     decode_plan: DecodePlan | None = None
 
 
@@ -72,16 +71,12 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.layer_idx = scale, layer_idx
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         if meta.backend is None:
-            raise RuntimeError("attention metadata without a backend: no k_cache/v_cache to attend (build it "
-                               "with AttentionBackend.metadata)")
+            raise RuntimeError("metadata without a backend has no k_cache/v_cache: use AttentionBackend.metadata")
         return meta.backend.forward(self.layer_idx, q, k, v, self.scale, meta)
 
     def extra_repr(self) -> str:

@@ -54,9 +54,7 @@ class LLMEngine(EngineCore):
         self.conversations: dict[str, Conversation] = {}
 
     @classmethod
-    def from_pretrained(
-        cls, model: str | ModelSource, progress: Progress | None = None, **overrides
-    ) -> LLMEngine:
+    def from_pretrained(cls, model: str | ModelSource, progress: Progress | None = None, **overrides) -> LLMEngine:
         """`model`: a GGUF file, a Hugging Face folder or hub id, a packaged model, "demo" (or a
         ModelSource from resolve_model). `progress` gets a line on how far loading is."""
         config = EngineConfig(model=str(getattr(model, "name", model)), **overrides)
@@ -90,10 +88,9 @@ class LLMEngine(EngineCore):
         return cid
 
     def _conversation(self, cid: str) -> Conversation:
-        try:
-            return self.conversations[cid]
-        except KeyError:
-            raise RequestError(f"unknown conversation {cid!r}") from None
+        if cid not in self.conversations:
+            raise RequestError(f"unknown conversation {cid!r}")
+        return self.conversations[cid]
 
     def submit_turn(
         self, conversation_id: str, messages: list[dict[str, str]] | list[int],
@@ -159,9 +156,8 @@ class LLMEngine(EngineCore):
         enough = max(1, self.block_manager.block_size // 2)  # less is not worth a copy
         return best if best is not None and shared(best) >= enough else None
 
-    def _fit_chat(
-        self, messages: list[dict[str, str]], conv: Conversation, max_tokens: int
-    ) -> tuple[list[int], str, int]:
+    def _fit_chat(self, messages: list[dict[str, str]], conv: Conversation,
+                  max_tokens: int) -> tuple[list[int], str, int]:  # fmt: skip
         """The chat's tokens with the oldest turns (never the system prompt) left out until it fits the context
         with room for a reply (at most a quarter of it). The window only moves forward, and by half the context
         at a time, so the next turns append to the kept part and reuse its KV instead of recomputing it."""

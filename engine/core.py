@@ -54,9 +54,8 @@ class EngineInfo:
 
 @dataclass
 class StepStats:
-    """One step, for the per-step stats hook `LLMEngine.on_step` (the bench). Times in seconds
-    (the device synchronised at each boundary while a hook is set); blocks right after scheduling,
-    when a step holds the most (finished sequences free theirs later in the step)."""
+    """One step, for the stats hook `LLMEngine.on_step` (the bench). Times in seconds, the device synchronised
+    at each boundary; blocks right after scheduling, when a step holds the most."""
 
     num_seqs: int
     num_decodes: int
@@ -73,9 +72,7 @@ class StepStats:
 def _penalised(seq: Sequence) -> list[int]:
     """The tokens a repetition penalty looks at (see SamplingParams.repetition_window)."""
     window = seq.group.params.repetition_window
-    if window is None:
-        return seq.token_ids
-    return seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window):]
+    return seq.token_ids if window is None else seq.token_ids[max(seq.num_prompt_tokens, len(seq) - window):]
 
 
 class EngineCore:

@@ -101,12 +101,8 @@ class Scheduler:
         deferred: list[Sequence] = []
         seats = sum(map(_seats, self.running))  # an admitted n > 1 group forks before its next step
         try:
-            while (
-                self.waiting
-                and budget > 0
-                and seats + _seats(self.waiting[0]) <= self.max_num_seqs
-                and self.preemptions == preempted_before
-            ):
+            while (self.waiting and budget > 0 and self.preemptions == preempted_before
+                   and seats + _seats(self.waiting[0]) <= self.max_num_seqs):  # fmt: skip
                 seq = self.waiting[0]
                 plan = self.bm.plan(seq)
                 if plan.miss_hashes and plan.miss_hashes[0] in self.bm.pending:
@@ -117,9 +113,8 @@ class Scheduler:
                 # Parked conversations give way to new work; when nothing runs that could free
                 # memory later, waiting sequences holding blocks give way too. Re-plan after each
                 # release: a released block may be one of seq's prefix-cache hits.
-                while plan.num_free_needed > self.bm.num_free_blocks and (
-                    self.parked or (not self.running and not scheduled)
-                ):
+                while (plan.num_free_needed > self.bm.num_free_blocks
+                       and (self.parked or not (self.running or scheduled))):  # fmt: skip
                     if not self._reclaim(protect=seq):
                         break
                     plan = self.bm.plan(seq)
