@@ -3,7 +3,7 @@ live in the model runner's pool, which does the copy-on-write copies queued in `
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine.events import CACHED, FREE, USED
@@ -44,9 +44,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))  # free, holding no cached prefix
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # free but cached, LRU first
@@ -68,8 +66,7 @@ class BlockManager:
         if self.free_ids:
             block = self.blocks[self.free_ids.popleft()]
         else:  # evict the least recently freed cached block
-            block_id, _ = self.cached_free.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self.blocks[self.cached_free.popitem(last=False)[0]]
             self._uncache(block)
         block.ref_count = 1
         return block
@@ -236,17 +233,13 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Every block is exactly one of free / cached-free / held, and refcounts match holders."""
-        held: dict[int, int] = {}
-        for seq in self.holders.values():
-            for block_id in seq.block_table:
-                held[block_id] = held.get(block_id, 0) + 1
+        held = Counter(block_id for seq in self.holders.values() for block_id in seq.block_table)
         free, cached = set(self.free_ids), set(self.cached_free)
         assert len(free) == len(self.free_ids), "a block is twice in the free list"
         assert not free & cached, "a block is both free and cached-free"
         for block in self.blocks:
             i = block.block_id
-            n_held = held.get(i, 0)
-            assert block.ref_count == n_held, f"block {i}: refcount {block.ref_count}, held by {n_held}"
+            assert block.ref_count == held[i], f"block {i}: refcount {block.ref_count}, held by {held[i]}"
             in_lists = (i in free) + (i in cached)
             assert (block.ref_count > 0) + in_lists == 1, f"block {i} is not exactly one of free/cached/held"
             if i in cached:

@@ -208,7 +208,6 @@ class LLMEngine(EngineCore):
         if conv.request_id is not None:
             self.abort(conv.request_id)
             self.groups.pop(conv.request_id, None)
-            self.outputs.requests.pop(conv.request_id, None)
         for seq in conv.seqs:
             self.scheduler.release(seq)
 

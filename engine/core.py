@@ -164,8 +164,8 @@ class EngineCore:
         group = SequenceGroup(request_id, [seq], params, conversation_id=conversation_id, prompt_len=len(seq))
         seq.group, seq.index, seq.owner = group, 0, conversation_id or request_id
         seq.num_prompt_tokens, seq.finish_reason, seq.finish_time, seq.generator = len(seq), None, None, None
+        seq.detokenizer, seq.pending_text = None, ""  # a parked sequence's last turn is done with
         self.groups[request_id] = group
-        self.outputs.add(group)
         self.scheduler.add(seq)
         return request_id
 
@@ -275,7 +275,6 @@ class EngineCore:
                     with contextlib.suppress(Exception):  # best effort: give back what can be given back
                         self.scheduler.release(seq)
             self.groups.clear()
-            self.outputs.requests.clear()
             self._ended.clear()
             raise
 

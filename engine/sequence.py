@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from engine.detokenizer import IncrementalDetokenizer
+
 
 @dataclass
 class SamplingParams:
@@ -78,6 +80,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.finish_time: float | None = None  # time.monotonic() when it finished
         self.generator: torch.Generator | None = None  # seeded sampling stream, made at first sample
+        self.detokenizer: IncrementalDetokenizer | None = None  # its text, made at first token (output processor)
+        self.pending_text = ""  # text not yet handed out in an output
 
     def __len__(self) -> int:
         return len(self.token_ids)
