@@ -214,7 +214,6 @@ class BlockManager:
         self._release_from(seq, cdiv(seq.num_computed_tokens, self.block_size))
 
     def _release_from(self, seq: Sequence, keep: int) -> None:
-        """Release seq's blocks past its first `keep`."""
         for block_id in reversed(seq.block_table[keep:]):  # tail first: evicted before the shared head
             self._release(block_id)
         del seq.block_table[keep:]

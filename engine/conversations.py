@@ -66,9 +66,8 @@ class LLMEngine(EngineCore):
         return self._chat_tokens(messages, None)[0]
 
     def _chat_tokens(self, messages: list[dict[str, str]], conv: Conversation | None) -> tuple[list[int], str]:
-        """Tokens of the chat template rendered for messages (and the rendered text). When the new
-        history starts with exactly what a parked sequence spells (its prompt and reply), its own
-        tokens are kept and only the rest is encoded."""
+        """The chat template's tokens for messages, and its text. Where the text starts with exactly what a parked
+        sequence spells (its prompt and reply), that sequence's own tokens are kept and only the rest is encoded."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         spelled = [(conv.texts[s.seq_id], s) for s in conv.seqs if s.seq_id in conv.texts] if conv else []
         # Whole turn first (the next turn), then its prompt alone (a regenerated reply).
@@ -117,9 +116,8 @@ class LLMEngine(EngineCore):
             params = dataclasses.replace(params, max_tokens=room)
         self._validate(tokens, params)
         if not conv.seqs and (donor := self._prefix_donor(tokens)) is not None:
-            # A new conversation that starts like a parked one (the same system prompt) shares its
-            # blocks, the partly filled last one too (copied on write), not only the full blocks
-            # the prefix cache finds: a short system prompt fits in less than one block.
+            # A new conversation that starts like a parked one (the same system prompt) shares its blocks, the
+            # partly filled last one too (copied on write): a short system prompt fits in less than one block.
             child = Sequence(donor.token_ids)
             self.block_manager.fork(donor, child)
             self.block_manager.truncate(child, common_prefix_len(child.token_ids, tokens[:-1]))

@@ -1,5 +1,4 @@
-"""EngineCore: requests in, outputs out, one step at a time (schedule -> run -> sample -> update ->
-outputs). Conversations are a layer on top (engine/conversations.py)."""
+"""EngineCore: requests in, outputs out, one step (schedule, run, sample, update) at a time."""
 
 from __future__ import annotations
 
@@ -132,10 +131,8 @@ class EngineCore:
         if n_prompt >= limit:
             raise ContextLengthError(f"the prompt is {n_prompt} tokens; the context holds {limit} (prompt + reply)")
         if n_prompt + params.max_tokens > limit:
-            raise RequestError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
-                f"{limit} tokens; lower max_tokens to at most {limit - n_prompt}"
-            )
+            raise RequestError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                               f"{limit} tokens; lower max_tokens to at most {limit - n_prompt}")
         if params.n > self.config.max_num_seqs:
             raise RequestError(f"n={params.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
         vocab = self.loaded.config.vocab_size
@@ -145,10 +142,9 @@ class EngineCore:
         per_seq = cdiv(n_prompt + params.max_tokens, self.config.block_size)
         need = per_seq + (params.n - 1) * (per_seq - n_prompt // self.config.block_size)
         if need > self.block_manager.num_blocks:
-            raise RequestError(
-                f"n={params.n} samples of {n_prompt}+{params.max_tokens} tokens need up to {need} KV blocks; "
-                f"the pool has {self.block_manager.num_blocks} (lower n or max_tokens, or raise the KV budget)"
-            )
+            raise RequestError(f"n={params.n} samples of {n_prompt}+{params.max_tokens} tokens need up to {need} KV "
+                               f"blocks; the pool has {self.block_manager.num_blocks} (lower n or max_tokens, or raise "
+                               "the KV budget)")
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,

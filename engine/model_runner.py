@@ -116,9 +116,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False, sync: bool = False) -> torch.Tensor:
-        """Forward the batch; returns fp32 logits for the sequences that sample, in batch order
-        (`all_logits`: for every token of the batch instead). `sync`: wait for the device at the
-        end of each part, so their times (last_prepare_s) are the device's too."""
+        """fp32 logits of the sequences that sample, in batch order (`all_logits`: of every token instead).
+        `sync`: wait for the device after each part, so their times (last_prepare_s) are the device's too."""
         if batch.copies:  # copy-on-write before attention reads or writes those blocks
             self.copy_blocks(batch.copies)
         t0 = time.perf_counter()

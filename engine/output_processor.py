@@ -1,5 +1,4 @@
-"""Output processor: per request, tokens become text (detokenizing, stop strings), deltas and the
-final output, with the events the engine thread sends, built once here."""
+"""Tokens become text (detokenizing, stop strings), deltas and final outputs with their events, built once here."""
 
 from __future__ import annotations
 

@@ -25,9 +25,7 @@ def make_generator(seed: int | None, index: int, device: torch.device | str) -> 
     """Sample `index`'s random stream (None when unseeded): hashing (seed, index) keeps n samples distinct."""
     if seed is None:
         return None
-    g = torch.Generator(device=device)
-    g.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ index))
-    return g
+    return torch.Generator(device=device).manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ index))
 
 
 @dataclass
@@ -112,9 +110,8 @@ def apply_min_p(probs: Tensor, min_ps: Tensor) -> Tensor:
 
 
 def argmax(logits: Tensor, chunk: int = 256) -> Tensor:
-    """Row-wise argmax (first index of the maximum, like torch.argmax). On CPU in two stages,
-    per-chunk amax then argmax over chunks and within the winning chunk: torch's CPU argmax is not
-    vectorised and costs ~9x more on a [64, 49152] batch."""
+    """Row-wise argmax (first index of the maximum, as torch.argmax); on CPU per-chunk amax, then within the best
+    chunk: torch's CPU argmax is not vectorised and costs ~9x more on a [64, 49152] batch."""
     if logits.device.type != "cpu" or logits.shape[-1] < 4 * chunk:
         return logits.argmax(dim=-1)
     rows, vocab = logits.shape
@@ -151,9 +148,8 @@ class Sampler:
 
     @staticmethod
     def _draw(probs: Tensor, generators: list[torch.Generator | None], any_unseeded: bool) -> Tensor:
-        """Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), picks i with probability p_i (unnormalised
-        p is fine). Seeded rows draw their noise from their own generator, so their tokens do not
-        depend on the rest of the batch; the others share one call on the default generator."""
+        """Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), picks i with probability p_i (unnormalised is fine).
+        Seeded rows draw from their own generator, so their tokens do not depend on the rest of the batch."""
         noise = torch.empty_like(probs)
         if any_unseeded:
             noise.exponential_()

@@ -1,5 +1,4 @@
-"""Continuous batching: which sequences run this step, how many tokens each computes, and what
-happens to them after it (advance, n-sample forks, appended tokens, finish/park/free)."""
+"""Continuous batching: which sequences run each step with how many tokens, and what happens to them after."""
 
 from __future__ import annotations
 
@@ -135,9 +134,8 @@ class Scheduler:
         return ScheduledBatch(seqs, counts, num_decodes, copies)
 
     def advance(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence]]:
-        """Mark the batch's tokens computed (full blocks enter the prefix cache); returns the
-        sequences that sample now with their logits row. A group's first sample forks its n-1
-        siblings here, sharing every prompt block (they repeat its row)."""
+        """Mark the batch's tokens computed; returns the sequences that sample now with their logits row. A group's
+        first sample forks its n-1 siblings here: they share its prompt blocks and repeat its row."""
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0

@@ -99,10 +99,8 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
-            f"blocks={self.block_table}, {self.status.value})"
-        )
+        return (f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, {self.status.value})")
 
 
 @dataclass
