@@ -103,12 +103,6 @@ def apply_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | No
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def apply_min_p(probs: Tensor, min_ps: Tensor) -> Tensor:
-    """Zero tokens whose probability is below min_p times the row's top probability (unnormalised)."""
-    threshold = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
 def argmax(logits: Tensor, chunk: int = 256) -> Tensor:
     """Row-wise argmax (first index of the maximum, as torch.argmax); on CPU per-chunk amax, then within the best
     chunk: torch's CPU argmax is not vectorised and costs ~9x more on a [64, 49152] batch."""
@@ -139,8 +133,8 @@ class Sampler:
         if st.do_top_k or st.do_top_p:
             logits = apply_top_k_top_p(logits, st.top_ks if st.do_top_k else None, st.top_ps if st.do_top_p else None)
         probs = logits.softmax(dim=-1)
-        if st.do_min_p:
-            probs = apply_min_p(probs, st.min_ps)
+        if st.do_min_p:  # zero tokens below min_p times the row's top probability (the draw needs no normalising)
+            probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * st.min_ps[:, None], 0.0)
         tokens = self._draw(probs, st.generators, st.any_unseeded)
         if greedy_tokens is not None:
             tokens = torch.where(st.greedy, greedy_tokens, tokens)
