@@ -83,9 +83,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
-            while not self.bm.can_append(seq, n):
-                if not self._reclaim(protect=seq):
-                    break
+            while not self.bm.can_append(seq, n) and self._reclaim(protect=seq):
+                pass  # reclaim until seq fits or nothing is left to reclaim
             if self.bm.can_append(seq, n):  # _reclaim never touches seq or anything before it
                 self.bm.append_slots(seq, n)
                 scheduled.append((seq, n))
