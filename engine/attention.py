@@ -13,10 +13,8 @@ from kernels import DecodePlan, paged_decode_attention, paged_prefill_attention,
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the model runner and shared by every layer.
-
-    Tokens are packed decodes first (one per sequence), then the new tokens of each prefill.
-    """
+    """Built once per step by the model runner, shared by every layer. Tokens are packed decodes first (one
+    per sequence), then the new tokens of each prefill."""
 
     slot_mapping: Tensor  # [T] int64: slot of every new token, -1 = do not write
     num_decode_tokens: int
@@ -26,8 +24,7 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: Tensor  # [num_prefills + 1] int32, offsets into the prefill part
     prefill_context_lens: Tensor  # [num_prefills] int32, cached prefix + new tokens
     backend: AttentionBackend | None = None  # the pool and kernels these tensors index
-    # CPU attention's gather plan for the decodes, built once per step; it attends the blocks that
-    # several decodes start with (a system prompt, a forked history) once for all of them
+    # the CPU decodes' gather plan: blocks several decodes start with (a system prompt) are attended once
     decode_plan: DecodePlan | None = None
 
 
@@ -67,24 +64,19 @@ class AttentionBackend:
 
 
 class Attention(nn.Module):
-    """Holds no weights and no cache: this layer's index into the pool the metadata's backend
-    owns. The backend writes this step's K/V into the paged cache, then attends through the
-    block tables."""
+    """No weights, no cache: this layer's index into the pool of the metadata's backend, which writes this
+    step's K/V into the paged cache, then attends through the block tables."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int = 0) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.layer_idx = scale, layer_idx
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         if meta.backend is None:
-            raise RuntimeError("attention metadata without a backend: no k_cache/v_cache to attend (build it "
-                               "with AttentionBackend.metadata)")
+            raise RuntimeError("metadata without a backend has no k_cache/v_cache: use AttentionBackend.metadata")
         return meta.backend.forward(self.layer_idx, q, k, v, self.scale, meta)
 
     def extra_repr(self) -> str:

@@ -1,14 +1,9 @@
-"""Refcounted KV blocks with copy-on-write and a hash-based prefix cache.
-
-The block manager only does bookkeeping: which physical block holds which tokens of which
-sequence. The K/V tensors live in the model runner's pool; block copies that copy-on-write
-asks for are queued in `pending_copies` and done by `kernels.copy_blocks` before the next
-forward pass.
-"""
+"""Refcounted KV blocks with copy-on-write and a hash-based prefix cache. Bookkeeping only: the K/V
+live in the model runner's pool, which does the copy-on-write copies queued in `pending_copies`."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine.events import CACHED, FREE, USED
@@ -49,9 +44,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))  # free, holding no cached prefix
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # free but cached, LRU first
@@ -65,7 +58,6 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
 
-    # ------------------------------------------------------------------ free pool
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_ids) + len(self.cached_free)
@@ -74,8 +66,7 @@ class BlockManager:
         if self.free_ids:
             block = self.blocks[self.free_ids.popleft()]
         else:  # evict the least recently freed cached block
-            block_id, _ = self.cached_free.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self.blocks[self.cached_free.popitem(last=False)[0]]
             self._uncache(block)
         block.ref_count = 1
         return block
@@ -97,55 +88,35 @@ class BlockManager:
                 self._uncache(block)
                 self.free_ids.append(block_id)
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        """The copy-on-write copies queued since the last call: the scheduled batch carries them."""
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
-
-    # ------------------------------------------------------------------ prefix cache
-    def _hash(self, parent: int, tokens: tuple[int, ...]) -> int:
-        return hash((parent, tokens))
-
-    def _lookup(self, parent: int, tokens: tuple[int, ...]) -> int | None:
-        block_id = self.hash_to_block.get(self._hash(parent, tokens))
-        if block_id is None:
-            return None
-        block = self.blocks[block_id]
-        return block_id if block.token_ids == tokens and block.parent_hash == parent else None
-
     def _parent_hash(self, seq: Sequence, index: int) -> int | None:
         return _ROOT_HASH if index == 0 else self.blocks[seq.block_table[index - 1]].hash
 
     def plan(self, seq: Sequence) -> AllocationPlan:
         """Blocks needed to hold all of seq's tokens, after prefix-cache hits (nothing taken yet)."""
-        bs = self.block_size
-        c, n_tables = seq.num_computed_tokens, len(seq.block_table)
+        bs, n_tables = self.block_size, len(seq.block_table)
         hits: list[int] = []
         misses: list[int] = []
         from_free = 0
         # Look up full blocks past what is computed; the last token is always computed (it
         # yields the logits), so at most (len - 1) // bs blocks can come from the cache.
-        if self.enable_prefix_caching and c % bs == 0 and n_tables == c // bs:
+        if self.enable_prefix_caching and seq.num_computed_tokens == n_tables * bs:
             parent = self._parent_hash(seq, n_tables)
             for j in range(n_tables, (len(seq) - 1) // bs):
                 if parent is None:
                     break
                 tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
-                block_id = None if misses else self._lookup(parent, tokens)
-                if block_id is None:
-                    parent = self._hash(parent, tokens)
-                    misses.append(parent)
-                else:
+                h = hash((parent, tokens))
+                block_id = None if misses else self.hash_to_block.get(h)
+                block = None if block_id is None else self.blocks[block_id]
+                if block is not None and block.token_ids == tokens and block.parent_hash == parent:
                     hits.append(block_id)
-                    from_free += self.blocks[block_id].ref_count == 0
-                    parent = self.blocks[block_id].hash
-        c += len(hits) * bs
+                    from_free += block.ref_count == 0
+                else:  # a collision is a miss too; every block after a miss is computed
+                    misses.append(h)
+                parent = h  # a hit's hash too
         new = cdiv(len(seq), bs) - n_tables - len(hits)
-        return AllocationPlan(hits, from_free, new + self._needs_cow(seq, c), misses)
-
-    def waits_for_pending(self, plan: AllocationPlan) -> bool:
-        """Whether the first block plan would compute is being computed by another sequence."""
-        return bool(plan.miss_hashes) and plan.miss_hashes[0] in self.pending
+        cow = self._needs_cow(seq, seq.num_computed_tokens + len(hits) * bs)
+        return AllocationPlan(hits, from_free, new + cow, misses)
 
     def _needs_cow(self, seq: Sequence, computed: int) -> bool:
         # Only the block the next token lands in can be shared: later ones are fresh.
@@ -170,11 +141,9 @@ class BlockManager:
         seq.pending_hashes = plan.miss_hashes
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_append_blocks(seq, num_tokens) <= self.num_free_blocks
-
-    def num_append_blocks(self, seq: Sequence, num_tokens: int) -> int:
         c = seq.num_computed_tokens
-        return max(0, cdiv(c + num_tokens, self.block_size) - len(seq.block_table)) + self._needs_cow(seq, c)
+        new = max(0, cdiv(c + num_tokens, self.block_size) - len(seq.block_table)) + self._needs_cow(seq, c)
+        return new <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Make room to write tokens [computed, computed + num_tokens): copy-on-write, new blocks."""
@@ -207,22 +176,17 @@ class BlockManager:
                 continue
             block.parent_hash = parent
             block.token_ids = tuple(seq.token_ids[j * bs : (j + 1) * bs])
-            block.hash = self._hash(parent, block.token_ids)
+            block.hash = hash((parent, block.token_ids))
             if self.pending.get(block.hash) == seq.seq_id:
                 del self.pending[block.hash]
             # An identical block already cached stays the canonical one; this one still
             # carries the hash so its children chain correctly.
             self.hash_to_block.setdefault(block.hash, block.block_id)
 
-    # ------------------------------------------------------------------ sequence operations
     def free(self, seq: Sequence) -> None:
         """Release all of seq's blocks; full ones stay in the prefix cache until reused."""
-        for block_id in reversed(seq.block_table):  # tail first: evicted before the shared head
-            self._release(block_id)
-        self.drop_pending(seq)
-        seq.block_table = []
         seq.num_computed_tokens = 0
-        self.holders.pop(seq.seq_id, None)
+        self._release_from(seq, 0)
 
     def drop_pending(self, seq: Sequence) -> None:
         """seq will not compute its admitted blocks (finished, aborted, preempted, cut short)."""
@@ -247,43 +211,34 @@ class BlockManager:
         del seq.token_ids[num_tokens:]
         seq.num_prompt_tokens = min(seq.num_prompt_tokens, num_tokens)
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
-        keep = cdiv(seq.num_computed_tokens, self.block_size)
-        for block_id in reversed(seq.block_table[keep:]):
+        self._release_from(seq, cdiv(seq.num_computed_tokens, self.block_size))
+
+    def _release_from(self, seq: Sequence, keep: int) -> None:
+        for block_id in reversed(seq.block_table[keep:]):  # tail first: evicted before the shared head
             self._release(block_id)
-        self.drop_pending(seq)
         del seq.block_table[keep:]
+        self.drop_pending(seq)
         if not seq.block_table:
             self.holders.pop(seq.seq_id, None)
 
-    # ------------------------------------------------------------------ introspection
     def block_states(self) -> tuple[list[int], list[int], list[tuple[str, ...]]]:
         """Per block: state (FREE / CACHED / USED), refcount, and the owners holding it."""
         owners: list[set[str]] = [set() for _ in range(self.num_blocks)]
         for seq in self.holders.values():
             for block_id in seq.block_table:
                 owners[block_id].add(seq.owner)
-        state = [FREE] * self.num_blocks
-        for block_id in self.cached_free:
-            state[block_id] = CACHED
-        refcount = [b.ref_count for b in self.blocks]
-        for i, r in enumerate(refcount):
-            if r:
-                state[i] = USED
-        return state, refcount, [tuple(sorted(o)) for o in owners]
+        state = [USED if b.ref_count else CACHED if b.block_id in self.cached_free else FREE for b in self.blocks]
+        return state, [b.ref_count for b in self.blocks], [tuple(sorted(o)) for o in owners]
 
     def check_invariants(self) -> None:
         """Every block is exactly one of free / cached-free / held, and refcounts match holders."""
-        held: dict[int, int] = {}
-        for seq in self.holders.values():
-            for block_id in seq.block_table:
-                held[block_id] = held.get(block_id, 0) + 1
+        held = Counter(block_id for seq in self.holders.values() for block_id in seq.block_table)
         free, cached = set(self.free_ids), set(self.cached_free)
         assert len(free) == len(self.free_ids), "a block is twice in the free list"
         assert not free & cached, "a block is both free and cached-free"
         for block in self.blocks:
             i = block.block_id
-            n_held = held.get(i, 0)
-            assert block.ref_count == n_held, f"block {i}: refcount {block.ref_count}, held by {n_held}"
+            assert block.ref_count == held[i], f"block {i}: refcount {block.ref_count}, held by {held[i]}"
             in_lists = (i in free) + (i in cached)
             assert (block.ref_count > 0) + in_lists == 1, f"block {i} is not exactly one of free/cached/held"
             if i in cached:

@@ -1,8 +1,5 @@
-"""Conversations: a layer on the engine core. A chat's sequence stays parked between turns with
-its blocks; the next turn appends to it, so only tokens past the common prefix are prefilled.
-
-Start, submit a turn (chat-template token reuse, fitting the context), fork (zero-copy), drop.
-"""
+"""Conversations, a layer on the engine core: a chat's sequence stays parked with its blocks between turns
+and the next turn appends to it, so only tokens past the common prefix are prefilled."""
 
 from __future__ import annotations
 
@@ -19,9 +16,9 @@ from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceSta
 
 @dataclass
 class Spelled:
-    """What a sequence's tokens spell in the chat template: its turn's prompt text, and once the
-    turn ends the text its prompt + reply spell, with how many tokens spell it (a final stop token
-    does not). Tokens re-encoded from text need not be the ones generated: these keep the KV."""
+    """What a sequence's tokens spell in the chat template: its turn's prompt, and once the turn ends its
+    prompt + reply with how many tokens spell it (not a final stop token). Re-encoded text need not give
+    the generated tokens back: keeping these keeps their KV."""
 
     prompt_text: str | None
     chat_text: str | None = None
@@ -57,9 +54,7 @@ class LLMEngine(EngineCore):
         self.conversations: dict[str, Conversation] = {}
 
     @classmethod
-    def from_pretrained(
-        cls, model: str | ModelSource, progress: Progress | None = None, **overrides
-    ) -> LLMEngine:
+    def from_pretrained(cls, model: str | ModelSource, progress: Progress | None = None, **overrides) -> LLMEngine:
         """`model`: a GGUF file, a Hugging Face folder or hub id, a packaged model, "demo" (or a
         ModelSource from resolve_model). `progress` gets a line on how far loading is."""
         config = EngineConfig(model=str(getattr(model, "name", model)), **overrides)
@@ -71,9 +66,8 @@ class LLMEngine(EngineCore):
         return self._chat_tokens(messages, None)[0]
 
     def _chat_tokens(self, messages: list[dict[str, str]], conv: Conversation | None) -> tuple[list[int], str]:
-        """Tokens of the chat template rendered for messages (and the rendered text). When the new
-        history starts with exactly what a parked sequence spells (its prompt and reply), its own
-        tokens are kept and only the rest is encoded."""
+        """The chat template's tokens for messages, and its text. Where the text starts with exactly what a parked
+        sequence spells (its prompt and reply), that sequence's own tokens are kept and only the rest is encoded."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         spelled = [(conv.texts[s.seq_id], s) for s in conv.seqs if s.seq_id in conv.texts] if conv else []
         # Whole turn first (the next turn), then its prompt alone (a regenerated reply).
@@ -86,17 +80,16 @@ class LLMEngine(EngineCore):
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
     def start_conversation(self, conversation_id: str | None = None) -> str:
-        cid = conversation_id or self._new_id("conv")
+        cid = conversation_id or f"conv-{next(self._ids)}"
         if cid in self.conversations:
             raise RequestError(f"conversation {cid!r} already exists")
         self.conversations[cid] = Conversation(cid)
         return cid
 
     def _conversation(self, cid: str) -> Conversation:
-        try:
-            return self.conversations[cid]
-        except KeyError:
-            raise RequestError(f"unknown conversation {cid!r}") from None
+        if cid not in self.conversations:
+            raise RequestError(f"unknown conversation {cid!r}")
+        return self.conversations[cid]
 
     def submit_turn(
         self, conversation_id: str, messages: list[dict[str, str]] | list[int],
@@ -113,9 +106,8 @@ class LLMEngine(EngineCore):
             # conversation's sequence; the next step sends it.
             self._ended.append(self._end(current))
         params = params or SamplingParams()
-        dropped = 0
         if messages and isinstance(messages[0], int):
-            tokens, text = list(messages), None
+            tokens, text, dropped = list(messages), None, 0
         else:
             tokens, text, dropped = self._fit_chat(messages, conv, params.max_tokens)
         room = self.max_model_len - len(tokens)
@@ -124,20 +116,15 @@ class LLMEngine(EngineCore):
             params = dataclasses.replace(params, max_tokens=room)
         self._validate(tokens, params)
         if not conv.seqs and (donor := self._prefix_donor(tokens)) is not None:
-            # A new conversation that starts like a parked one (the same system prompt) shares its
-            # blocks, the partly filled last one too (copied on write), not only the full blocks
-            # the prefix cache finds: a short system prompt fits in less than one block.
+            # A new conversation that starts like a parked one (the same system prompt) shares its blocks, the
+            # partly filled last one too (copied on write): a short system prompt fits in less than one block.
             child = Sequence(donor.token_ids)
             self.block_manager.fork(donor, child)
             self.block_manager.truncate(child, common_prefix_len(child.token_ids, tokens[:-1]))
             self.block_manager.prefix_queries += len(tokens)  # the panel's hit rate counts this reuse
             self.block_manager.prefix_hits += child.num_computed_tokens
             conv.seqs = [child]
-        best, best_len = None, -1
-        for seq in conv.seqs:
-            m = common_prefix_len(seq.token_ids, tokens)
-            if m > best_len:
-                best, best_len = seq, m
+        best = max(conv.seqs, key=lambda s: common_prefix_len(s.token_ids, tokens), default=None)
         for seq in conv.seqs:
             if seq is not best:
                 self.scheduler.release(seq)
@@ -146,7 +133,7 @@ class LLMEngine(EngineCore):
         else:
             # Drop what the new history does not share (an edit, a re-rendered template, the
             # alternatives not chosen); keep at least the last token to compute.
-            self.block_manager.truncate(best, min(best_len, len(tokens) - 1))
+            self.block_manager.truncate(best, common_prefix_len(best.token_ids, tokens[:-1]))
             best.token_ids += tokens[len(best) :]
         conv.texts[best.seq_id] = Spelled(text)
         request_id = self.add_request(tokens, params, request_id, conversation_id=conversation_id, seq=best)
@@ -162,22 +149,16 @@ class LLMEngine(EngineCore):
         that reaches into a block the prefix cache cannot give (a partly filled or uncached one)."""
         if not self.config.enable_prefix_caching:
             return None
-        best, best_len = None, 0
-        for seq in self.scheduler.parked.values():
-            m = common_prefix_len(seq.token_ids[: seq.num_computed_tokens], tokens[:-1])
-            if m > best_len:
-                best, best_len = seq, m
-        return best if best_len >= max(1, self.block_manager.block_size // 2) else None  # less: not worth a copy
+        shared = lambda s: common_prefix_len(s.token_ids[: s.num_computed_tokens], tokens[:-1])
+        best = max(self.scheduler.parked.values(), key=shared, default=None)
+        enough = max(1, self.block_manager.block_size // 2)  # less is not worth a copy
+        return best if best is not None and shared(best) >= enough else None
 
-    def _fit_chat(
-        self, messages: list[dict[str, str]], conv: Conversation, max_tokens: int
-    ) -> tuple[list[int], str, int]:
-        """The chat's tokens with the oldest turns left out until it fits the context, leaving
-        room for a reply (a quarter of the context at most). The system prompt always stays.
-
-        The window moves forward only: a turn drops at least what the last one did, and when it
-        must drop more it frees half the context, so the next turns append to the kept part and
-        reuse its KV instead of shifting (and recomputing) the window every turn."""
+    def _fit_chat(self, messages: list[dict[str, str]], conv: Conversation,
+                  max_tokens: int) -> tuple[list[int], str, int]:  # fmt: skip
+        """The chat's tokens with the oldest turns (never the system prompt) left out until it fits the context
+        with room for a reply (at most a quarter of it). The window only moves forward, and by half the context
+        at a time, so the next turns append to the kept part and reuse its KV instead of recomputing it."""
         limit = self.max_model_len
         reserve = min(max_tokens, max(1, limit // 4))
         system = messages[:1] if messages and messages[0].get("role") == "system" else []
@@ -225,11 +206,10 @@ class LLMEngine(EngineCore):
         if conv.request_id is not None:
             self.abort(conv.request_id)
             self.groups.pop(conv.request_id, None)
-            self.outputs.requests.pop(conv.request_id, None)
         for seq in conv.seqs:
             self.scheduler.release(seq)
 
-    # ------------------------------------------------------------------ hooks of the core
+    # Hooks of the core
     def _parks(self, group: SequenceGroup) -> bool:
         return group.conversation_id in self.conversations
 

@@ -1,8 +1,8 @@
-"""EngineCore: requests in, outputs out, one step at a time (schedule -> run -> sample -> update ->
-outputs). Conversations are a layer on top (engine/conversations.py)."""
+"""EngineCore: requests in, outputs out, one step (schedule, run, sample, update) at a time."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -53,9 +53,8 @@ class EngineInfo:
 
 @dataclass
 class StepStats:
-    """One step, for the per-step stats hook `LLMEngine.on_step` (the bench). Times in seconds
-    (the device synchronised at each boundary while a hook is set); blocks right after scheduling,
-    when a step holds the most (finished sequences free theirs later in the step)."""
+    """One step, for the stats hook `LLMEngine.on_step` (the bench). Times in seconds, the device synchronised
+    at each boundary; blocks right after scheduling, when a step holds the most."""
 
     num_seqs: int
     num_decodes: int
@@ -72,9 +71,7 @@ class StepStats:
 def _penalised(seq: Sequence) -> list[int]:
     """The tokens a repetition penalty looks at (see SamplingParams.repetition_window)."""
     window = seq.group.params.repetition_window
-    if window is None:
-        return seq.token_ids
-    return seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window):]
+    return seq.token_ids if window is None else seq.token_ids[max(seq.num_prompt_tokens, len(seq) - window):]
 
 
 class EngineCore:
@@ -83,21 +80,16 @@ class EngineCore:
         device, dtype = torch.device(config.device), config.torch_dtype
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        block_bytes = ModelRunner.kv_bytes_per_block(
-            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, config.block_size, dtype
-        )
-        num_blocks = config.resolve_num_blocks(block_bytes)
-        self.kv_block_bytes = block_bytes
-        self.max_model_len = min(loaded.max_model_len, num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        layers, bs, kv_heads, head_dim = loaded.num_layers, config.block_size, loaded.num_kv_heads, loaded.head_dim
+        self.kv_block_bytes = 2 * layers * bs * kv_heads * head_dim * dtype.itemsize  # K and V, all layers
+        num_blocks = config.resolve_num_blocks(self.kv_block_bytes)
+        self.max_model_len = min(loaded.max_model_len, num_blocks * bs)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            loaded.model, num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads,
-            head_dim=loaded.head_dim, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
-            device=device, backend=config.attention_backend,
-        )  # fmt: skip
+        kv_shape = (layers, num_blocks, bs, kv_heads, head_dim)
+        self.runner = ModelRunner(loaded.model, kv_shape, dtype, device, config.attention_backend)
         if config.cuda_graphs:
-            self.runner.capture_decode_graphs(config.max_num_seqs, cdiv(self.max_model_len, config.block_size))
+            self.runner.capture_decode_graphs(config.max_num_seqs, cdiv(self.max_model_len, bs))
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = set(loaded.eos_token_ids)
@@ -129,10 +121,6 @@ class EngineCore:
         """Tokens computed by prefill over the engine's life (a bench figure)."""
         return self.scheduler.prefill_tokens
 
-    # ------------------------------------------------------------------ requests
-    def _new_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
-
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
 
@@ -143,10 +131,8 @@ class EngineCore:
         if n_prompt >= limit:
             raise ContextLengthError(f"the prompt is {n_prompt} tokens; the context holds {limit} (prompt + reply)")
         if n_prompt + params.max_tokens > limit:
-            raise RequestError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
-                f"{limit} tokens; lower max_tokens to at most {limit - n_prompt}"
-            )
+            raise RequestError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                               f"{limit} tokens; lower max_tokens to at most {limit - n_prompt}")
         if params.n > self.config.max_num_seqs:
             raise RequestError(f"n={params.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
         vocab = self.loaded.config.vocab_size
@@ -156,10 +142,9 @@ class EngineCore:
         per_seq = cdiv(n_prompt + params.max_tokens, self.config.block_size)
         need = per_seq + (params.n - 1) * (per_seq - n_prompt // self.config.block_size)
         if need > self.block_manager.num_blocks:
-            raise RequestError(
-                f"n={params.n} samples of {n_prompt}+{params.max_tokens} tokens need up to {need} KV blocks; "
-                f"the pool has {self.block_manager.num_blocks} (lower n or max_tokens, or raise the KV budget)"
-            )
+            raise RequestError(f"n={params.n} samples of {n_prompt}+{params.max_tokens} tokens need up to {need} KV "
+                               f"blocks; the pool has {self.block_manager.num_blocks} (lower n or max_tokens, or raise "
+                               "the KV budget)")
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -167,7 +152,7 @@ class EngineCore:
     ) -> str:  # fmt: skip
         """Queue a request; `seq` (a conversation's parked sequence) is reused with its blocks."""
         params = params or SamplingParams()
-        request_id = request_id or self._new_id("req")
+        request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = seq or Sequence(self.encode(prompt))
@@ -175,8 +160,8 @@ class EngineCore:
         group = SequenceGroup(request_id, [seq], params, conversation_id=conversation_id, prompt_len=len(seq))
         seq.group, seq.index, seq.owner = group, 0, conversation_id or request_id
         seq.num_prompt_tokens, seq.finish_reason, seq.finish_time, seq.generator = len(seq), None, None, None
+        seq.detokenizer, seq.pending_text = None, ""  # a parked sequence's last turn is done with
         self.groups[request_id] = group
-        self.outputs.add(group)
         self.scheduler.add(seq)
         return request_id
 
@@ -185,7 +170,7 @@ class EngineCore:
         if group is not None:
             try:
                 for seq in group.seqs:
-                    if not seq.is_finished and seq.status is not SequenceStatus.PARKED:
+                    if seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
                         self._finish(seq, "abort")
             except Exception as e:  # e.g. its detokenizer's flush: end the request with the error
                 self._fail(group, f"{type(e).__name__}: {e}")
@@ -193,7 +178,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups or self._ended)
 
-    # ------------------------------------------------------------------ hooks of a layer on top (conversations)
+    # Hooks of the layer on top (conversations)
     def _parks(self, group: SequenceGroup) -> bool:  # does a finished sequence keep its blocks?
         return False
 
@@ -203,7 +188,6 @@ class EngineCore:
 
     def _ended_group(self, group: SequenceGroup) -> None: ...  # its final output was taken
 
-    # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         timed = self.on_step is not None
         t0 = time.perf_counter()
@@ -235,7 +219,7 @@ class EngineCore:
     def _stats(self, batch: ScheduledBatch, schedule_s: float) -> StepStats:
         bm = self.block_manager
         return StepStats(
-            len(batch), batch.num_decodes, sum(batch.num_tokens),
+            len(batch.seqs), batch.num_decodes, sum(batch.num_tokens),
             sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_tokens)),
             bm.num_blocks - bm.num_free_blocks, sum(len(s.block_table) for s in bm.holders.values()),
             schedule_s, 0.0, 0.0, 0.0,
@@ -284,12 +268,9 @@ class EngineCore:
         except Exception:
             for group in self.groups.values():
                 for seq in group.seqs:
-                    try:  # best effort: give back what can be given back
+                    with contextlib.suppress(Exception):  # best effort: give back what can be given back
                         self.scheduler.release(seq)
-                    except Exception:
-                        pass
             self.groups.clear()
-            self.outputs.requests.clear()
             self._ended.clear()
             raise
 
@@ -304,14 +285,10 @@ class EngineCore:
 
     def _collect(self, touched: list[SequenceGroup]) -> list[RequestOutput]:
         outputs, self._ended = self._ended, []
-        touched_ids = {g.request_id for g in touched}
         for group in touched:
             outputs.append(self._end(group) if self._group_done(group) else self.outputs.output(group, False))
         # Aborted groups that were not scheduled this step still need their final output.
-        for rid, group in list(self.groups.items()):
-            if rid not in touched_ids and self._group_done(group):
-                outputs.append(self._end(group))
-        return outputs
+        return outputs + [self._end(group) for group in list(self.groups.values()) if self._group_done(group)]
 
     def _end(self, group: SequenceGroup) -> RequestOutput:
         """The finished group's final output; it leaves the engine."""
@@ -327,7 +304,6 @@ class EngineCore:
         forked = len(group.seqs) == group.params.n or group.seqs[0].finish_reason in ("abort", "error")
         return forked and all(s.finish_reason for s in group.seqs)
 
-    # ------------------------------------------------------------------ batch API
     def generate(
         self, prompts: Seq[str] | Seq[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
@@ -345,9 +321,8 @@ class EngineCore:
         return {s.group.request_id for s in self.scheduler.waiting if s.num_output_tokens and s.group is not None}
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [len, vocab] at every position of token_ids, from one prefill through the
-        engine's own paged path (in fresh blocks, freed after): to compare with other
-        implementations. Not while requests run (it takes blocks they may need)."""
+        """fp32 logits [len, vocab] at every position of token_ids from one prefill through the engine's own
+        paged path (fresh blocks, freed after), to compare with other implementations. Only on an idle engine."""
         if self.has_unfinished_requests():
             raise RequestError("score() needs an idle engine")
         seq = Sequence(token_ids)
@@ -357,14 +332,11 @@ class EngineCore:
         finally:
             self.block_manager.free(seq)
 
-    # ------------------------------------------------------------------ introspection
     def tokens_per_s(self, window: float = 2.0) -> float:
         now = time.monotonic()
         while self._recent and now - self._recent[0][0] > window:
             self._recent.popleft()
-        if not self._recent:
-            return 0.0
-        return sum(n for _, n in self._recent) / max(now - self._recent[0][0], 1e-3)
+        return sum(n for _, n in self._recent) / max(now - self._recent[0][0], 1e-3) if self._recent else 0.0
 
     def cache_snapshot(self) -> CacheSnapshot:
         bm, sched = self.block_manager, self.scheduler

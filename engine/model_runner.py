@@ -16,9 +16,8 @@ from kernels import DecodePlan, SharedPrefix, copy_blocks, plan_decode
 MIN_SHARED_KEYS = 256
 
 
-def find_shared_prefixes(
-    tables: list[list[int]], context_lens: list[int], block_size: int
-) -> list[tuple[list[int], int]]:
+def find_shared_prefixes(tables: list[list[int]], context_lens: list[int],
+                         block_size: int) -> list[tuple[list[int], int]]:  # fmt: skip
     """(members, number of leading blocks) for each group of decodes whose block tables start with
     the same blocks. Blocks stop short of each member's current token (its block is its own)."""
     groups: dict[int, list[int]] = {}
@@ -38,28 +37,14 @@ def find_shared_prefixes(
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        backend: str,
-    ) -> None:
-        self.model = model
-        assert block_size & (block_size - 1) == 0, "block sizes are powers of two (slots use shifts)"
-        self.block_size = block_size
-        self.device = device
-        self.backend = backend
-        # One pool for all layers: a block id is valid in every layer.
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, backend: str) -> None:  # fmt: skip
+        self.model, self.device, self.backend = model, device, backend
+        self.block_size = kv_shape[2]
+        assert self.block_size & (self.block_size - 1) == 0, "block sizes are powers of two (slots use shifts)"
+        # One pool for all layers (a block id is valid in every layer): [layers, blocks, block_size, heads, dim]
+        self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.attention = AttentionBackend(self.k_cache, self.v_cache, backend)
         self.graphs: DecodeGraphs | None = None
         self.last_prepare_s = 0.0  # input preparation time of the latest run (StepStats)
@@ -71,10 +56,6 @@ class ModelRunner:
                 self.model, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
                 device=self.device, attention=self.attention,
             )  # fmt: skip
-
-    @staticmethod
-    def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
@@ -94,7 +75,6 @@ class ModelRunner:
             ids += s.token_ids[c : c + n]
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
-
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.int64)
         start_t = torch.tensor(starts, dtype=torch.int64)
@@ -112,16 +92,12 @@ class ModelRunner:
         # Only sequences whose last token is in this batch produce logits (not mid-prompt chunks).
         samples = [i for i, s in enumerate(seqs) if starts[i] + counts[i] == len(s)]
         logits_index = cu[1:][samples] - 1
-
         meta = self.attention.metadata(
-            slot_mapping=slots.to(dev),
-            num_decode_tokens=nd,
-            decode_block_tables=block_tables[:nd].to(dev),
-            decode_context_lens=context_lens[:nd].to(dev),
-            prefill_block_tables=block_tables[nd:].to(dev),
+            slot_mapping=slots.to(dev), num_decode_tokens=nd,
+            decode_block_tables=block_tables[:nd].to(dev), decode_context_lens=context_lens[:nd].to(dev),
+            prefill_block_tables=block_tables[nd:].to(dev), prefill_context_lens=context_lens[nd:].to(dev),
             prefill_cu_seqlens_q=(cu[nd:] - cu[nd]).to(torch.int32).to(dev),
-            prefill_context_lens=context_lens[nd:].to(dev),
-        )
+        )  # fmt: skip
         if nd and self.backend == "torch" and self.k_cache.dtype in (torch.float32, torch.float64):
             meta.decode_plan = self._plan_decode(tables[:nd], [c + 1 for c in starts[:nd]], meta)
         return input_ids.to(dev), positions.to(dev), meta, logits_index.to(dev)
@@ -140,9 +116,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False, sync: bool = False) -> torch.Tensor:
-        """Forward the batch; returns fp32 logits for the sequences that sample, in batch order
-        (`all_logits`: for every token of the batch instead). `sync`: wait for the device at the
-        end of each part, so their times (last_prepare_s) are the device's too."""
+        """fp32 logits of the sequences that sample, in batch order (`all_logits`: of every token instead).
+        `sync`: wait for the device after each part, so their times (last_prepare_s) are the device's too."""
         if batch.copies:  # copy-on-write before attention reads or writes those blocks
             self.copy_blocks(batch.copies)
         t0 = time.perf_counter()

@@ -1,5 +1,4 @@
-"""Output processor: per request, tokens become text (detokenizing, stop strings), deltas and the
-final output, with the events the engine thread sends, built once here."""
+"""Tokens become text (detokenizing, stop strings), deltas and final outputs with their events, built once here."""
 
 from __future__ import annotations
 
@@ -36,68 +35,43 @@ class RequestOutput:
     events: list[Event] = field(default_factory=list)  # what the engine thread sends for this output
 
 
-@dataclass
-class RequestState:
-    """One request's text side: a detokenizer and the text not yet handed out, per sample."""
-
-    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
-    pending: dict[int, str] = field(default_factory=dict)
-
-
 class OutputProcessor:
+    """Each sample's text: its sequence holds a detokenizer (made at first use) and the text not yet sent."""
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.requests: dict[str, RequestState] = {}
-
-    def add(self, group: SequenceGroup) -> None:
-        self.requests[group.request_id] = RequestState()
 
     def detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
-        state = self.requests[seq.group.request_id]
-        d = state.detokenizers.get(seq.index)
-        if d is None:  # made at first use: forked samples share the prompt, so the context is the same
+        if seq.detokenizer is None:  # forked samples share the prompt, so the context is the same
             prompt, stop = seq.token_ids[: seq.group.prompt_len], seq.group.params.stop
-            d = state.detokenizers[seq.index] = IncrementalDetokenizer(self.tokenizer, prompt, stop=stop)
-        return d
-
-    def _push(self, seq: Sequence, text: str) -> None:
-        if text:
-            pending = self.requests[seq.group.request_id].pending
-            pending[seq.index] = pending.get(seq.index, "") + text
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, stop=stop)
+        return seq.detokenizer
 
     def append(self, seq: Sequence, token: int) -> bool:
         """Detokenize one new token; returns whether it completed a stop string."""
         d = self.detokenizer(seq)
-        self._push(seq, d.append(token))
+        seq.pending_text += d.append(token)
         return d.stopped
 
     def finish(self, seq: Sequence, reason: str) -> tuple[str, bool]:
         """Release held-back text; returns (the sample's text, whether a stop string cut it)."""
         d = self.detokenizer(seq)
         if reason != "stop" or not d.stopped:
-            self._push(seq, d.flush())
+            seq.pending_text += d.flush()
         return d.text, d.stopped
 
     def output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
-        state = self.requests.pop(group.request_id) if finished else self.requests[group.request_id]
-        deltas = sorted(state.pending.items())
-        state.pending.clear()
-        dets = state.detokenizers
+        deltas = [(s.index, s.pending_text) for s in group.seqs if s.pending_text]  # group.seqs are in index order
+        for s in group.seqs:
+            s.pending_text = ""
         rid, cid = group.request_id, group.conversation_id
+        outputs = [CompletionOutput(s.index, s.detokenizer.text if s.detokenizer is not None else "",
+                                    s.output_token_ids, s.finish_reason) for s in group.seqs]  # fmt: skip
         out = RequestOutput(
-            request_id=rid,
-            conversation_id=cid,
-            prompt_token_ids=group.seqs[0].token_ids[: group.prompt_len],
-            outputs=[
-                CompletionOutput(s.index, dets[s.index].text if s.index in dets else "", s.output_token_ids,
-                                 s.finish_reason)
-                for s in group.seqs
-            ],
-            finished=finished,
-            deltas=deltas,
-            error=group.error,
-        )
-        out.events = [TokenDelta(rid, cid, index, text) for index, text in deltas]
+            request_id=rid, conversation_id=cid, prompt_token_ids=group.seqs[0].token_ids[: group.prompt_len],
+            outputs=outputs, finished=finished, deltas=deltas, error=group.error,
+            events=[TokenDelta(rid, cid, index, text) for index, text in deltas],
+        )  # fmt: skip
         if finished:
             self._finalise(out, group)
         return out
@@ -118,17 +92,10 @@ class OutputProcessor:
         if out.error is not None:
             out.events.append(EngineError(out.request_id, out.conversation_id, out.error))
             return
-        out.events.append(
-            Finished(
-                request_id=out.request_id,
-                conversation_id=out.conversation_id,
-                texts=tuple(o.text for o in out.outputs),
-                finish_reasons=tuple(o.finish_reason or "stop" for o in out.outputs),
-                usage=out.usage,
-                ttft_s=out.ttft_s,
-                total_s=out.total_s,
-                tokens_per_s=out.tokens_per_s,
-                sample_tokens=tuple(len(o.token_ids) for o in out.outputs),
-                sample_tokens_per_s=tuple(out.sample_tokens_per_s),
-            )
-        )
+        out.events.append(Finished(
+            request_id=out.request_id, conversation_id=out.conversation_id, texts=tuple(o.text for o in out.outputs),
+            finish_reasons=tuple(o.finish_reason or "stop" for o in out.outputs), usage=out.usage,
+            ttft_s=out.ttft_s, total_s=out.total_s, tokens_per_s=out.tokens_per_s,
+            sample_tokens=tuple(len(o.token_ids) for o in out.outputs),
+            sample_tokens_per_s=tuple(out.sample_tokens_per_s),
+        ))  # fmt: skip

@@ -1,9 +1,6 @@
-"""Sampler: next tokens from one step's logits, vectorised over the batch with per-row parameters.
-
-Order (as in HF `generate` and vLLM): repetition penalty, greedy argmax, temperature, top-k and top-p
-(one shared sort), min-p, then an exponential-race draw. Each stage runs only when some row needs
-it, so an all-greedy batch is a single argmax.
-"""
+"""Next tokens from one step's logits, vectorised over the batch with per-row parameters. Order as in HF
+`generate` and vLLM: repetition penalty, greedy argmax, temperature, top-k and top-p (one shared sort), min-p,
+then an exponential-race draw. A stage runs only when some row needs it: an all-greedy batch is one argmax."""
 
 from __future__ import annotations
 
@@ -25,15 +22,10 @@ def _splitmix64(x: int) -> int:
 
 
 def make_generator(seed: int | None, index: int, device: torch.device | str) -> torch.Generator | None:
-    """The random stream of sample `index` of a request seeded with `seed` (None when unseeded).
-
-    Hashing (seed, index) gives the n samples of one request distinct but reproducible streams.
-    """
+    """Sample `index`'s random stream (None when unseeded): hashing (seed, index) keeps n samples distinct."""
     if seed is None:
         return None
-    g = torch.Generator(device=device)
-    g.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ index))
-    return g
+    return torch.Generator(device=device).manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ index))
 
 
 @dataclass
@@ -56,14 +48,8 @@ class SamplingTensors:
     any_unseeded: bool  # some sampled row has no generator
 
     @classmethod
-    def build(
-        cls,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-        device: torch.device | str,
-    ) -> SamplingTensors:
-        if len(generators) != len(params):
-            raise ValueError(f"{len(params)} rows of params but {len(generators)} generators")
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+              device: torch.device | str) -> SamplingTensors:  # fmt: skip
         greedy = [p.greedy for p in params]
         # Greedy rows get neutral values so they never switch a filtering stage on.
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
@@ -74,31 +60,19 @@ class SamplingTensors:
         # One host->device copy for all float parameters.
         floats = torch.tensor([temps, top_ps, min_ps, penalties], dtype=torch.float32).to(device)
         return cls(
-            temperatures=floats[0],
-            top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device),
-            top_ps=floats[1],
-            min_ps=floats[2],
-            repetition_penalties=floats[3],
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            temperatures=floats[0], top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device), top_ps=floats[1],
+            min_ps=floats[2], repetition_penalties=floats[3], greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            do_top_k=any(k > 0 for k in top_ks),
-            do_top_p=any(p < 1.0 for p in top_ps),
-            do_min_p=any(p > 0.0 for p in min_ps),
+            all_greedy=all(greedy), any_greedy=any(greedy), do_top_k=any(k > 0 for k in top_ks),
+            do_top_p=any(p < 1.0 for p in top_ps), do_min_p=any(p > 0.0 for p in min_ps),
             do_penalties=any(p != 1.0 for p in penalties),
             any_unseeded=any(not g and gen is None for g, gen in zip(greedy, generators)),
-        )
+        )  # fmt: skip
 
 
 def apply_repetition_penalty(logits: Tensor, seen_token_ids: list[list[int]], penalties: Tensor) -> Tensor:
-    """HF semantics: a seen token's logit is divided by p if positive, multiplied by p otherwise.
-
-    Vectorised with a [B, S] index tensor. Each row is padded with its own first token (so padding
-    writes the same value as the real entry), and rows with nothing seen get penalty 1.
-    """
-    if len(seen_token_ids) != logits.shape[0]:
-        raise ValueError(f"{logits.shape[0]} rows of logits but {len(seen_token_ids)} seen lists")
+    """HF semantics: a seen token's logit is divided by p if positive, multiplied by p otherwise. Rows are
+    padded with their own first token (padding rewrites the same value); rows with nothing seen get p = 1."""
     width = max((len(ids) for ids in seen_token_ids), default=0)
     if width == 0:
         return logits
@@ -112,11 +86,8 @@ def apply_repetition_penalty(logits: Tensor, seen_token_ids: list[list[int]], pe
 
 
 def apply_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and nucleus; one descending sort serves both.
-
-    top_ks: [B] int64, 0 = off. top_ps: [B] float, 1 = off. Either may be None (stage skipped).
-    The nucleus is the smallest set of top tokens whose probability reaches p; it is never empty.
-    """
+    """Mask (to -inf) tokens outside each row's top-k (0 = off) and nucleus (1 = off; None skips either stage):
+    the smallest set of top tokens whose probability reaches p, never empty. One descending sort serves both."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_ks is not None:
@@ -132,16 +103,9 @@ def apply_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | No
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def apply_min_p(probs: Tensor, min_ps: Tensor) -> Tensor:
-    """Zero tokens whose probability is below min_p times the row's top probability (unnormalised)."""
-    threshold = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
 def argmax(logits: Tensor, chunk: int = 256) -> Tensor:
-    """Row-wise argmax (first index of the maximum, like torch.argmax). On CPU in two stages,
-    per-chunk amax then argmax over chunks and within the winning chunk: torch's CPU argmax is not
-    vectorised and costs ~9x more on a [64, 49152] batch."""
+    """Row-wise argmax (first index of the maximum, as torch.argmax); on CPU per-chunk amax, then within the best
+    chunk: torch's CPU argmax is not vectorised and costs ~9x more on a [64, 49152] batch."""
     if logits.device.type != "cpu" or logits.shape[-1] < 4 * chunk:
         return logits.argmax(dim=-1)
     rows, vocab = logits.shape
@@ -169,8 +133,8 @@ class Sampler:
         if st.do_top_k or st.do_top_p:
             logits = apply_top_k_top_p(logits, st.top_ks if st.do_top_k else None, st.top_ps if st.do_top_p else None)
         probs = logits.softmax(dim=-1)
-        if st.do_min_p:
-            probs = apply_min_p(probs, st.min_ps)
+        if st.do_min_p:  # zero tokens below min_p times the row's top probability (the draw needs no normalising)
+            probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * st.min_ps[:, None], 0.0)
         tokens = self._draw(probs, st.generators, st.any_unseeded)
         if greedy_tokens is not None:
             tokens = torch.where(st.greedy, greedy_tokens, tokens)
@@ -178,9 +142,8 @@ class Sampler:
 
     @staticmethod
     def _draw(probs: Tensor, generators: list[torch.Generator | None], any_unseeded: bool) -> Tensor:
-        """Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), picks i with probability p_i (unnormalised
-        p is fine). Seeded rows draw their noise from their own generator, so their tokens do not
-        depend on the rest of the batch; the others share one call on the default generator."""
+        """Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), picks i with probability p_i (unnormalised is fine).
+        Seeded rows draw from their own generator, so their tokens do not depend on the rest of the batch."""
         noise = torch.empty_like(probs)
         if any_unseeded:
             noise.exponential_()

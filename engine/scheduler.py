@@ -1,5 +1,4 @@
-"""Continuous batching: which sequences run this step, how many tokens each computes, and what
-happens to them after it (advance, n-sample forks, appended tokens, finish/park/free)."""
+"""Continuous batching: which sequences run each step with how many tokens, and what happens to them after."""
 
 from __future__ import annotations
 
@@ -20,15 +19,10 @@ class ScheduledBatch:
     num_decodes: int
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write, before the forward
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.bm = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.bm, self.max_num_seqs, self.max_num_batched_tokens = block_manager, max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle conversations, oldest first
@@ -55,7 +49,6 @@ class Scheduler:
         self.parked.pop(seq.seq_id, None)
         self.bm.drop_pending(seq)
 
-    # ------------------------------------------------------------------ memory pressure
     def _reclaim(self, protect: Sequence | None) -> bool:
         """Free some blocks: parked conversations oldest first, then waiting sequences that still
         hold blocks (newest first), then preempt the most recently admitted running sequence."""
@@ -81,7 +74,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
@@ -91,9 +83,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
-            while not self.bm.can_append(seq, n):
-                if not self._reclaim(protect=seq):
-                    break
+            while not self.bm.can_append(seq, n) and self._reclaim(protect=seq):
+                pass  # reclaim until seq fits or nothing is left to reclaim
             if self.bm.can_append(seq, n):  # _reclaim never touches seq or anything before it
                 self.bm.append_slots(seq, n)
                 scheduled.append((seq, n))
@@ -106,15 +97,11 @@ class Scheduler:
         deferred: list[Sequence] = []
         seats = sum(map(_seats, self.running))  # an admitted n > 1 group forks before its next step
         try:
-            while (
-                self.waiting
-                and budget > 0
-                and seats + _seats(self.waiting[0]) <= self.max_num_seqs
-                and self.preemptions == preempted_before
-            ):
+            while (self.waiting and budget > 0 and self.preemptions == preempted_before
+                   and seats + _seats(self.waiting[0]) <= self.max_num_seqs):  # fmt: skip
                 seq = self.waiting[0]
                 plan = self.bm.plan(seq)
-                if self.bm.waits_for_pending(plan):
+                if plan.miss_hashes and plan.miss_hashes[0] in self.bm.pending:
                     # Its next block is being computed for another sequence (a shared system prompt
                     # arriving several times at once): wait a step and hit the cache instead.
                     deferred.append(self.waiting.popleft())
@@ -122,9 +109,8 @@ class Scheduler:
                 # Parked conversations give way to new work; when nothing runs that could free
                 # memory later, waiting sequences holding blocks give way too. Re-plan after each
                 # release: a released block may be one of seq's prefix-cache hits.
-                while plan.num_free_needed > self.bm.num_free_blocks and (
-                    self.parked or (not self.running and not scheduled)
-                ):
+                while (plan.num_free_needed > self.bm.num_free_blocks
+                       and (self.parked or not (self.running or scheduled))):  # fmt: skip
                     if not self._reclaim(protect=seq):
                         break
                     plan = self.bm.plan(seq)
@@ -143,13 +129,12 @@ class Scheduler:
         scheduled.sort(key=lambda sn: sn[1] != 1)  # decodes (one token) first, stable otherwise
         num_decodes = sum(1 for _, n in scheduled if n == 1)
         seqs, counts = [s for s, _ in scheduled], [n for _, n in scheduled]
-        return ScheduledBatch(seqs, counts, num_decodes, self.bm.take_copies())
+        copies, self.bm.pending_copies = self.bm.pending_copies, []  # queued since the last batch
+        return ScheduledBatch(seqs, counts, num_decodes, copies)
 
-    # ------------------------------------------------------------------ after the forward
     def advance(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence]]:
-        """Mark the batch's tokens computed (full blocks enter the prefix cache); returns the
-        sequences that sample now with their logits row. A group's first sample forks its n-1
-        siblings here, sharing every prompt block (they repeat its row)."""
+        """Mark the batch's tokens computed; returns the sequences that sample now with their logits row. A group's
+        first sample forks its n-1 siblings here: they share its prompt blocks and repeat its row."""
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0
@@ -157,13 +142,11 @@ class Scheduler:
             old = seq.num_computed_tokens
             seq.num_computed_tokens = old + n
             self.bm.cache_full_blocks(seq, old)
-            prompt = max(0, min(n, seq.num_prompt_tokens - old))
-            seq.group.prefilled_tokens += prompt
+            group, prompt = seq.group, max(0, min(n, seq.num_prompt_tokens - old))
+            group.prefilled_tokens += prompt
             self.prefill_tokens += prompt
-        for seq in batch.seqs:
             if seq.num_computed_tokens != len(seq):
                 continue  # a prefill chunk short of the prompt's end: no logits
-            group = seq.group
             forks = [seq]
             if len(group.seqs) < group.params.n and seq.index == 0 and seq.num_output_tokens == 0:
                 forks += [self._fork_sample(seq, i) for i in range(len(group.seqs), group.params.n)]
@@ -195,15 +178,13 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str, park: bool) -> None:
-        """seq is done: out of every queue (never to run again), then parked with its blocks for
-        the next turn of its conversation, or freed (full blocks stay in the prefix cache)."""
-        self.remove(seq)
+        """seq is done: parked with its blocks for its conversation's next turn, or released."""
         seq.finish_reason, seq.finish_time = reason, time.monotonic()
         if park:
+            self.remove(seq)
             self.park(seq)
         else:
-            self.bm.free(seq)
-            seq.status = SequenceStatus.FINISHED
+            self.release(seq)
 
     def release(self, seq: Sequence) -> None:
         """Drop seq and its blocks for good (a dropped conversation, a failed request)."""
@@ -213,8 +194,7 @@ class Scheduler:
 
 
 def _seats(seq: Sequence) -> int:
-    """Running places seq takes once admitted: itself, plus the samples its group forks from its
-    first token (n > 1)."""
+    """Running places seq takes once admitted: itself, plus the samples its group forks at its first token."""
     group = seq.group
     if group is None or seq.index != 0 or seq.num_output_tokens:
         return 1

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from engine.detokenizer import IncrementalDetokenizer
+
 
 @dataclass
 class SamplingParams:
@@ -20,8 +22,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    # tokens the penalty looks at: None = prompt and output (transformers, vLLM); N = the last N
-    # tokens of this reply only, so words of the question (or the chat so far) are not penalised
+    # None: the penalty looks at prompt and output (as transformers, vLLM); N: at the reply's last N
+    # tokens only, so the question's words are not penalised
     repetition_window: int | None = None
     n: int = 1
     seed: int | None = None
@@ -62,11 +64,7 @@ _seq_counter = itertools.count()
 
 
 class Sequence:
-    """One stream of tokens and the blocks that hold its KV.
-
-    token_ids is everything the sequence has (prompt, then generated tokens); the first
-    num_computed_tokens of them have their K/V in the cache, in the blocks of block_table.
-    """
+    """Prompt then generated tokens; the first num_computed_tokens have their K/V in block_table's blocks."""
 
     def __init__(self, token_ids: list[int], group: SequenceGroup | None = None, index: int = 0) -> None:
         self.seq_id = next(_seq_counter)
@@ -82,6 +80,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.finish_time: float | None = None  # time.monotonic() when it finished
         self.generator: torch.Generator | None = None  # seeded sampling stream, made at first sample
+        self.detokenizer: IncrementalDetokenizer | None = None  # its text, made at first token (output processor)
+        self.pending_text = ""  # text not yet handed out in an output
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -98,15 +98,9 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def __repr__(self) -> str:
-        return (
-            f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
-            f"blocks={self.block_table}, {self.status.value})"
-        )
+        return (f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, {self.status.value})")
 
 
 @dataclass
