@@ -325,9 +325,16 @@ class EngineCore:
         paged path (fresh blocks, freed after), to compare with other implementations. Only on an idle engine."""
         if self.has_unfinished_requests():
             raise RequestError("score() needs an idle engine")
+        if not 0 < len(token_ids) <= self.max_model_len:
+            raise ContextLengthError(f"score() takes 1 to {self.max_model_len} tokens; got {len(token_ids)}")
+        if max(token_ids) >= self.loaded.config.vocab_size or min(token_ids) < 0:
+            raise RequestError(f"token ids must be in [0, {self.loaded.config.vocab_size})")
         seq = Sequence(token_ids)
-        self.block_manager.append_slots(seq, len(seq))
+        if not self.block_manager.can_append(seq, len(seq)):  # parked chats may hold the pool
+            raise RequestError(f"scoring {len(seq)} tokens needs {cdiv(len(seq), self.config.block_size)} free KV "
+                               f"blocks; {self.block_manager.num_free_blocks} are free")
         try:
+            self.block_manager.append_slots(seq, len(seq))
             return self.runner.run(ScheduledBatch([seq], [len(seq)], 0), all_logits=True)
         finally:
             self.block_manager.free(seq)

@@ -61,7 +61,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--model", metavar="PATH_OR_ID",
                    help='a .gguf file, a folder (one .gguf, or a Hugging Face model), a hub id, '
                    '"smollm2-135m-instruct" (the default) or "demo" (random weights)')
-    m.add_argument("--dtype", choices=DTYPES, help="weights and KV cache (auto: bfloat16 on CUDA and bf16-capable CPUs, else float32)")
+    m.add_argument("--dtype", choices=DTYPES, help="weights and KV cache "
+                   "(auto: bfloat16 on CUDA and bf16-capable CPUs, else float32)")
     m.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="weights on the CPU: auto (the default: GGUF tensors packed as the file has them), "
                    "none (dequantized: exact), int8, int4")

@@ -164,3 +164,25 @@ def test_a_conversation_takes_a_new_turn_right_after_an_abort(model_dir: str) ->
     eng.submit_turn(conv, [5], SamplingParams(max_tokens=50))
     with pytest.raises(Exception, match="still generating"):  # a turn that is running still refuses
         eng.submit_turn(conv, [5, 6], SamplingParams(max_tokens=50))
+
+
+def test_score_refuses_what_does_not_fit_and_keeps_the_pool_whole(model_dir: str) -> None:
+    """score() on a pool too small, past the context or outside the vocabulary: a clear error, and
+    every block is still free (it used to take blocks, raise a bare KeyError and keep them)."""
+    from engine import RequestError
+
+    eng = LLMEngine.from_pretrained(model_dir, num_blocks=8, block_size=4, device="cpu")
+    eng.start_conversation("c")
+    _turn(eng, "c", [{"role": "user", "content": "hi"}], max_tokens=8)  # the parked chat keeps its blocks
+    free = eng.block_manager.num_free_blocks
+    assert free < 6
+    with pytest.raises(RequestError, match="free KV blocks"):
+        eng.score(list(range(1, 25)))  # 24 tokens: 6 blocks of 4
+    with pytest.raises(ContextLengthError):
+        eng.score(list(range(1, 300)))
+    with pytest.raises(RequestError, match="token ids"):
+        eng.score([1, 2, 10**6])
+    assert eng.block_manager.num_free_blocks == free
+    eng.block_manager.check_invariants()
+    assert eng.score([1, 2, 3]).shape[0] == 3  # what fits still scores
+    assert eng.block_manager.num_free_blocks == free
