@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -21,9 +22,17 @@ _SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 log = logging.getLogger(__name__)
 
 
-@functools.cache
+_lock = threading.Lock()  # the engine thread and the UI may both ask first
+
+
 def _build() -> str | None:
-    """Compile and register the ops; None on success, else the reason they are unavailable."""
+    """Compile and register the ops once; None on success, else the reason they are unavailable."""
+    with _lock:
+        return _build_once()
+
+
+@functools.cache
+def _build_once() -> str | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"needs AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
     try:
@@ -31,7 +40,9 @@ def _build() -> str | None:
 
         cpp_extension.load(
             name="rosechat_quant", sources=[str(_SOURCE)], is_python_module=False,
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False,
+            # -fopenmp: ATen's parallel_for is an OpenMP pragma in its header (serial without it);
+            # the libgomp it links is the one torch has loaded already (same soname)
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:  # no compiler, no headers: the caller falls back
         log.warning("cpu_quant kernels unavailable: %s", exc)
