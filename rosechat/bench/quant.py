@@ -77,6 +77,27 @@ def _routes(in_f: int, out_f: int) -> dict[str, tuple[Callable[[], object], Call
             lambda w, r: i4(x(r, fp32).to(bf16), w[0], 32, w[1]).float(),
         ),
         "int8pack fp32->bf16": (int8, lambda w, r: i8(x(r, fp32).to(bf16), w[0], w[1].to(bf16)).float()),
+        **_our_routes(in_f, out_f, x),
+    }
+
+
+def _our_routes(in_f: int, out_f: int, x: Callable[[int, torch.dtype], torch.Tensor]) -> dict:
+    """kernels/cpu_quant.cpp (auto's route): q4 and q8 blocks of 32, fp32 in and out."""
+    from kernels import cpu_quant
+
+    if not cpu_quant.available():
+        return {}
+
+    def q4():
+        return (torch.randint(0, 256, (out_f, in_f // 2), dtype=torch.uint8), torch.rand(out_f, in_f // 32) * 0.01,
+                -torch.rand(out_f, in_f // 32) * 0.1)
+
+    def q8():
+        return torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8), torch.rand(out_f, in_f // 32) * 0.01
+
+    return {
+        "rosechat q4 fp32": (q4, lambda w, r: cpu_quant.q4_linear(x(r, torch.float32), *w)),
+        "rosechat q8 fp32": (q8, lambda w, r: cpu_quant.q8_linear(x(r, torch.float32), *w)),
     }
 
 

@@ -18,7 +18,8 @@ def test_every_route_runs_on_a_small_shape() -> None:
     with torch.no_grad():
         results = quant.measure([("tiny 64->32", 64, 32)], [1, 2], repeats=1, cold_bytes=1 << 16)
     routes = {r["route"] for r in results}
-    assert {"fp32 F.linear", "int8pack bf16", "int4pack bf16", "int4pack fp32->bf16"} <= routes
+    assert {"fp32 F.linear", "int8pack bf16", "int4pack bf16", "int4pack fp32->bf16", "rosechat q4 fp32",
+            "rosechat q8 fp32"} <= routes
     assert len(results) == 2 * len(routes) and all(r["us"] > 0 for r in results)
     table = quant.render(results)
     assert "tiny 64->32" in table and "int4pack bf16" in table
@@ -29,10 +30,24 @@ def test_decode_runs_each_quantization_in_its_own_process(tmp_path: Path) -> Non
 
     path = tmp_path / "tiny-q4.gguf"
     write_gguf(path, "llama", qtype="Q4_0")
-    results = quant.run_decode(str(path), ["none", "auto"], threads=1, prompt_tokens=8, new_tokens=6,
+    results = quant.run_decode(str(path), ["none", "auto", "auto/torch"], threads=1, prompt_tokens=8, new_tokens=6,
                                streams=[1])
-    none, auto = results
+    none, auto, auto_torch = results
     assert none["packed_bytes"] == 0 and auto["packed_bytes"] > 0
+    # torch's int4 format keeps bf16 scale + zero per group, ours fp32 d + m: the routes differ
+    assert 0 < auto_torch["packed_bytes"] < auto["packed_bytes"]
     assert auto["dense_bytes"] < none["dense_bytes"]
     assert none["decode_tok_s"] > 0 and auto["decode_tok_s"] > 0
     assert "auto" in quant.render_decode(results)
+
+
+@pytest.mark.skipif(not quant.llama_cpp_available(), reason="llama-cpp-python is an optional extra (.[llamacpp])")
+def test_llama_cpp_runs_as_a_peer_on_the_same_file() -> None:
+    from engine import resolve_model
+
+    source = resolve_model("smollm2-135m-instruct")
+    results = quant.run_decode(str(source.path), [quant.LLAMA_CPP], threads=1, prompt_tokens=8, new_tokens=6,
+                               streams=[2])
+    (r,) = results
+    assert r["mode"] == "llama.cpp" and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+    assert "llama.cpp seq" in quant.render_decode(results)  # 2 streams run one after another
