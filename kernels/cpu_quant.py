@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -35,6 +38,9 @@ def _build() -> str | None:
 def _build_once() -> str | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"needs AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    bin_dir = str(Path(sys.executable).parent)  # the ninja our dependencies install, venv not activated
+    if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join((bin_dir, os.environ.get("PATH", "")))
     try:
         from torch.utils import cpp_extension
 
