@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from engine.packed_weights import Int4Weight, Int8Weight, PackedWeight, Q4Weight, Q8Weight
 from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API lives here)
     GROUP,
     GGUFBlocks,
@@ -42,7 +43,6 @@ from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API l
 from kernels import cpu_quant
 
 MODES = ("auto", "none", "int8", "int4")
-COMPUTE_DTYPE = torch.bfloat16  # the activations the CPU kernels are fast with
 
 # the precision class a file's tensor keeps under quantization="auto"
 _AUTO_CLASS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8",
@@ -71,170 +71,6 @@ def route() -> str:
 def auto_mode(type_name: str) -> str:
     """The packed form a GGUF tensor type keeps under quantization="auto" ("none" for float types)."""
     return _AUTO_CLASS.get(type_name, "none")
-
-
-# ---------------------------------------------------------------------------------- packed weights
-class PackedWeight:
-    """A packed [out, in] matrix standing where a dense weight stood: `linear(x, weight)` in
-    engine.models.layers calls `weight.linear(x, bias)`, and an embedding calls `rows(ids)`."""
-
-    mode: str
-    shape: tuple[int, int]
-
-    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        raise NotImplementedError
-
-    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        raise NotImplementedError
-
-    def nbytes(self) -> int:
-        raise NotImplementedError
-
-    # a few tensor-like attributes callers read
-    @property
-    def dtype(self) -> torch.dtype:
-        return COMPUTE_DTYPE
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-
-class Int4Weight(PackedWeight):
-    mode = "int4"
-
-    def __init__(self, q: Tensor, scale: Tensor, zero: Tensor, keep_rows: bool = False) -> None:
-        """q uint8 [out, in] 0..15, scale/zero float [out, in/32]. keep_rows also keeps q in a plain
-        nibble layout for row lookups (an embedding: the kernel's packed layout is opaque)."""
-        out_f, in_f = q.shape
-        self.shape = (out_f, in_f)
-        self.row_nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous() if keep_rows else None
-        pad = -out_f % 16  # the kernel's packing takes rows in multiples of 16: zero rows, sliced off
-        if pad:
-            q = torch.cat((q, q.new_full((pad, in_f), 8)))
-            scale, zero = torch.cat((scale, scale.new_zeros(pad, scale.shape[1]))), torch.cat(
-                (zero, zero.new_zeros(pad, zero.shape[1])))
-        self.padded_rows = out_f + pad
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        # [in/32, out, 2] as the kernel takes it
-        self.scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(COMPUTE_DTYPE).contiguous()
-
-    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
-        if self.padded_rows != self.shape[0]:
-            out = out[:, : self.shape[0]]
-        out = out.to(x.dtype).reshape(*shape[:-1], self.shape[0])
-        return out if bias is None else out + bias
-
-    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        if self.row_nibbles is None:
-            raise RuntimeError("this int4 weight was packed without its rows (not an embedding)")
-        nib = self.row_nibbles[ids]
-        q = torch.stack((nib & 0x0F, nib >> 4), dim=-1).reshape(*ids.shape, self.shape[1]).float()
-        sz = self.scales_zeros[:, ids].float()  # [in/32, *ids, 2]
-        scale = sz[..., 0].movedim(0, -1).repeat_interleave(GROUP, dim=-1)
-        zero = sz[..., 1].movedim(0, -1).repeat_interleave(GROUP, dim=-1)
-        return ((q - 8) * scale + zero).to(dtype)
-
-    def nbytes(self) -> int:
-        extra = 0 if self.row_nibbles is None else self.row_nibbles.nbytes
-        return self.packed.nbytes + self.scales_zeros.nbytes + extra
-
-    def dequantize(self) -> Tensor:
-        """fp32 [out, in] as the kernel sees it (for tests): one identity matmul."""
-        eye = torch.eye(self.shape[1], dtype=COMPUTE_DTYPE)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros)
-        return out[:, : self.shape[0]].float().t()
-
-
-class Int8Weight(PackedWeight):
-    mode = "int8"
-
-    def __init__(self, q: Tensor, scale: Tensor) -> None:
-        self.shape = tuple(q.shape)
-        self.q = q.contiguous()
-        self.scale_f32 = scale.float().contiguous()  # row lookups are exact in fp32
-        self.scale = scale.to(COMPUTE_DTYPE).contiguous()
-
-    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
-        out = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
-        out = out.to(x.dtype).reshape(*shape[:-1], self.shape[0])
-        return out if bias is None else out + bias
-
-    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        return (self.q[ids].float() * self.scale_f32[ids].unsqueeze(-1)).to(dtype)
-
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes + self.scale_f32.nbytes
-
-    def dequantize(self) -> Tensor:
-        return self.q.float() * self.scale.float()[:, None]
-
-
-class Q4Weight(PackedWeight):
-    """GGUF-style 4-bit blocks for kernels/cpu_quant.cpp: nibbles [out, in/2], d and m [out, in/32]."""
-
-    mode = "int4"
-
-    def __init__(self, qs: Tensor, d: Tensor, m: Tensor) -> None:
-        self.shape = (qs.shape[0], qs.shape[1] * 2)
-        self.qs, self.d, self.m = qs.contiguous(), d.float().contiguous(), m.float().contiguous()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-        out = cpu_quant.q4_linear(x2, self.qs, self.d, self.m).to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
-        return out if bias is None else out + bias
-
-    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        nib = self.qs[ids].view(*ids.shape, -1, GROUP // 2)  # [*ids, blocks, 16]
-        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1).float()  # element j low, j + 16 high
-        return (q * self.d[ids][..., None] + self.m[ids][..., None]).flatten(-2).to(dtype)
-
-    def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
-
-    def dequantize(self) -> Tensor:
-        return self.rows(torch.arange(self.shape[0]), torch.float32)
-
-
-class Q8Weight(PackedWeight):
-    """8-bit blocks of 32 for kernels/cpu_quant.cpp: int8 [out, in], d [out, in/32]."""
-
-    mode = "int8"
-
-    def __init__(self, qs: Tensor, d: Tensor) -> None:
-        self.shape = tuple(qs.shape)
-        self.qs, self.d = qs.contiguous(), d.float().contiguous()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-        out = cpu_quant.q8_linear(x2, self.qs, self.d).to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
-        return out if bias is None else out + bias
-
-    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        q = self.qs[ids].view(*ids.shape, -1, GROUP).float()
-        return (q * self.d[ids][..., None]).flatten(-2).to(dtype)
-
-    def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes
-
-    def dequantize(self) -> Tensor:
-        return self.rows(torch.arange(self.shape[0]), torch.float32)
 
 
 def _dense(source: Tensor | GGUFBlocks) -> Tensor:

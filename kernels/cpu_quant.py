@@ -1,6 +1,6 @@
 """Quantized linear layers for the CPU (cpu_quant.cpp), compiled at first use.
 
-`q4_linear(x, qs, d, m)` and `q8_linear(x, qs, d)` multiply float32 activations by weights kept in
+`q4_linear(x, qs, d, m)` and `q8_linear(x, qs, d)` (after `available()` has built them) multiply float32 activations by weights kept in
 blocks of 32 (the layouts are described in cpu_quant.cpp). The extension is built once per machine
 by `torch.utils.cpp_extension` (a C++ compiler and AVX2 are needed; a few seconds, cached under
 torch's extensions folder); `available()` says whether it could be, and `unavailable_reason()` why
@@ -34,9 +34,14 @@ def _build() -> str | None:
         return _build_once()
 
 
+def supported_cpu() -> bool:
+    """An x86 CPU with AVX2, where the kernels are meant to build (elsewhere torch's kernels serve)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 @functools.cache
 def _build_once() -> str | None:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not supported_cpu():
         return f"needs AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
     bin_dir = str(Path(sys.executable).parent)  # the ninja our dependencies install, venv not activated
     if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
@@ -66,11 +71,9 @@ def unavailable_reason() -> str | None:
 
 def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs [N, K/2] uint8 nibbles * d + m, per block of 32).T -> [M, N] float32."""
-    _build()
     return torch.ops.rosechat_quant.q4_linear(x, qs, d, m)
 
 
 def q8_linear(x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs [N, K] int8 * d, per block of 32).T -> [M, N] float32."""
-    _build()
     return torch.ops.rosechat_quant.q8_linear(x, qs, d)
