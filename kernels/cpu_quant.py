@@ -2,9 +2,9 @@
 
 `q4_linear(x, qs, d, m)` and `q8_linear(x, qs, d)` (once `available()` has built them) multiply
 float32 activations by weights kept in blocks of 32 (the layouts are described in cpu_quant.cpp).
-The extension is built once per machine by `torch.utils.cpp_extension` (a C++ compiler and AVX2 are needed; a few seconds, cached under
-torch's extensions folder); `available()` says whether it could be, and `unavailable_reason()` why
-not, so a caller can fall back to torch's own weight-only kernels.
+The extension is built once per machine by `torch.utils.cpp_extension` (a C++ compiler and AVX2
+are needed; a few seconds, cached under torch's extensions folder); `available()` says whether it
+could be, and `unavailable_reason()` why not, so a caller can fall back to torch's own kernels.
 """
 
 from __future__ import annotations
