@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from engine.quant_blocks import GROUP
-from kernels import cpu_quant
+from kernels import cpu_ops
 
 COMPUTE_DTYPE = torch.bfloat16  # the activations torch's weight-only CPU kernels are fast with
 
@@ -147,7 +147,7 @@ class Q4Weight(BlockWeight):
         self.qs, self.d, self.m = qs.contiguous(), d.float().contiguous(), m.float().contiguous()
 
     def _matmul(self, x: Tensor) -> Tensor:
-        return cpu_quant.q4_linear(x, self.qs, self.d, self.m)
+        return cpu_ops.q4_linear(x, self.qs, self.d, self.m)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         nib = self.qs[ids].view(*ids.shape, -1, GROUP // 2)  # [*ids, blocks, 16]
@@ -168,7 +168,7 @@ class Q8Weight(BlockWeight):
         self.qs, self.d = qs.contiguous(), d.float().contiguous()
 
     def _matmul(self, x: Tensor) -> Tensor:
-        return cpu_quant.q8_linear(x, self.qs, self.d)
+        return cpu_ops.q8_linear(x, self.qs, self.d)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         q = self.qs[ids].view(*ids.shape, -1, GROUP).float()

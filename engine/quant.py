@@ -40,7 +40,7 @@ from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API l
     quantize_int8,
     quantize_q8,
 )
-from kernels import cpu_quant
+from kernels import cpu_ops
 
 MODES = ("auto", "none", "int8", "int4")
 
@@ -57,13 +57,13 @@ def torch_kernels_available() -> bool:
 
 def kernels_available() -> bool:
     """Some route for packed weights exists on this machine (ours, or torch's as the fallback)."""
-    return cpu_quant.available() or torch_kernels_available()
+    return cpu_ops.available() or torch_kernels_available()
 
 
 def route() -> str:
     """Which kernels packed weights use here: "rosechat" (kernels/cpu_quant.cpp) where it builds,
     else "torch". ROSECHAT_QUANT_KERNELS=torch picks torch's (to compare the two)."""
-    if os.environ.get("ROSECHAT_QUANT_KERNELS") == "torch" or not cpu_quant.available():
+    if os.environ.get("ROSECHAT_QUANT_KERNELS") == "torch" or not cpu_ops.available():
         return "torch"
     return "rosechat"
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import torch_budget
+from kernels import cpu_ops, torch_budget
 from kernels.torch_prefill import sliced_attention
 
 
@@ -35,6 +35,7 @@ class _Chunk:
     seqs: torch.Tensor | None  # batch rows, None = all of them in order
     slots: torch.Tensor  # [n * L] pool rows (token slots) to gather
     mask: torch.Tensor  # [n, 1, 1, L] additive: 0 for a sequence's own keys, -inf past them
+    counts: torch.Tensor  # [n] int64: each sequence's own keys (the first of its L slots)
     n: int
     L: int
 
@@ -54,6 +55,7 @@ class DecodePlan:
 
     chunks: list[_Chunk]
     prefixes: list[_PrefixGroup]
+    too_long: bool  # some context's K+V is past KV_BUDGET: the sliced path instead
 
 
 def plan_decode(
@@ -93,14 +95,15 @@ def plan_decode(
         tables = block_tables if seqs is None else block_tables.index_select(0, seqs)
         idx = torch.arange(L, device=dev)[None, :]
         first = torch.tensor([skip[b] for b in rows], device=dev)[:, None] if any(skip[b] for b in rows) else 0
-        hidden = idx >= lens[:, None] - first  # past the sequence's own keys
+        counts = (lens[:, None] - first)[:, 0]  # each sequence's own keys
+        hidden = idx >= counts[:, None]  # past them
         # Positions past a sequence's length re-read its last token (never garbage or another
         # sequence's slot) and are masked out of the softmax.
         slots = _slots(tables, torch.minimum(idx + first, lens[:, None] - 1), bs)
         mask = torch.zeros(n, 1, 1, L, dtype=dtype, device=dev).masked_fill_(hidden[:, None, None, :], float("-inf"))
-        chunks.append(_Chunk(seqs, slots.flatten(), mask, n, L))
+        chunks.append(_Chunk(seqs, slots.flatten(), mask, counts, n, L))
         i += n
-    return DecodePlan(chunks, prefixes)
+    return DecodePlan(chunks, prefixes, max(ctx, default=0) * 2 * kv_row > torch_budget.KV_BUDGET)
 
 
 def _slots(tables: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
@@ -135,7 +138,7 @@ def paged_decode_attention(
     if (
         q.dtype != k_cache.dtype
         or q.dtype not in (torch.float32, torch.float64)
-        or (int(context_lens.max()) * 2 * Hkv * D > torch_budget.KV_BUDGET)
+        or (plan.too_long if plan is not None else int(context_lens.max()) * 2 * Hkv * D > torch_budget.KV_BUDGET)
     ):
         # fp16/bf16 (fp32 math wanted) and very long contexts: the sliced online-softmax path
         return sliced_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, context_lens.tolist(), scale)
@@ -143,12 +146,16 @@ def paged_decode_attention(
         plan = plan_decode(block_tables, context_lens, bs, Hkv * D, q.dtype, shared_prefixes)
     # 2-D rows: index_select copies whole rows then (several times faster than on the 3-D view)
     k_rows, v_rows = k_cache.view(-1, Hkv * D), v_cache.view(-1, Hkv * D)
+    fused = cpu_ops.use_fused(q) and q.is_contiguous()
     out = lse = None
     for c in plan.chunks:
-        k = k_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)
-        v = v_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)
-        qh = (q if c.seqs is None else q.index_select(0, c.seqs)).view(c.n, Hkv, G, D)  # GQA: a group is a row block
-        o, lse_c = _attention_lse(qh, k, v, c.mask, scale)
+        qc = q if c.seqs is None else q.index_select(0, c.seqs)
+        if fused:  # reads the keys in place through the slots: no gathered copy, no mask
+            o, lse_c = cpu_ops.decode_attention(qc, k_rows, v_rows, c.slots.view(c.n, c.L), c.counts, scale)
+        else:
+            k = k_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)
+            v = v_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)
+            o, lse_c = _attention_lse(qc.view(c.n, Hkv, G, D), k, v, c.mask, scale)  # GQA: a group is a row block
         if c.seqs is None:
             out, lse = o.reshape(B, Hq, D), lse_c.reshape(B, Hq)
             break

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import cpu_ops
+
 ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
@@ -28,14 +30,29 @@ def get_activation(name: str):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim, computed in float32 like the reference (Llama/Qwen) models."""
+    """RMSNorm over the last dim, computed in float32 like the reference (Llama/Qwen) models.
+
+    Given the residual stream too, adds x to it first and returns (normed, new residual), as a
+    pre-norm block's seam does; on CPU in float32 that is one fused op, in place."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if x.dim() == 2 and cpu_ops.use_fused(x) and self.weight.dtype == torch.float32:
+            if residual is None:
+                return cpu_ops.rms_norm(x.contiguous(), self.weight, self.eps)
+            if x.is_contiguous() and residual.is_contiguous():
+                cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps)
+                return x, residual
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         if dtype == torch.float32:  # one fused op
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -219,3 +236,19 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [T, H, D] by cos/sin [T, 1, D // 2] (returns a new tensor)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotate_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """apply_rotary to q and k; in place, one op, on CPU in float32 (q and k are fresh projections)."""
+    if cpu_ops.use_fused(q) and cos.dtype == torch.float32:
+        cpu_ops.rotary_(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    if gate_up.dim() == 2 and cpu_ops.use_fused(gate_up):
+        return cpu_ops.silu_mul(gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -17,10 +17,11 @@ from engine.models.layers import (
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
     get_activation,
     linear,
     rope_parameters,
+    rotate_qk,
+    silu_and_mul,
 )
 
 
@@ -46,7 +47,7 @@ class LlamaAttentionBlock(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rotate_qk(q, k, *rope)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -58,10 +59,14 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = get_activation(getattr(config, "hidden_act", "silu"))
+        act = getattr(config, "hidden_act", "silu")
+        self.act = None if act in ("silu", "swish") else get_activation(act)  # None: fused silu * up
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is None:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -73,9 +78,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor], meta: AttentionMetadata
+    ) -> tuple[Tensor, Tensor]:
+        """x: the last block's output, not yet added to the residual stream (vLLM's fused seam);
+        the first layer gets the embeddings and no residual."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -92,9 +106,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)  # shared by all layers
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

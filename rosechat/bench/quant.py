@@ -83,9 +83,9 @@ def _routes(in_f: int, out_f: int) -> dict[str, tuple[Callable[[], object], Call
 
 def _our_routes(in_f: int, out_f: int, x: Callable[[int, torch.dtype], torch.Tensor]) -> dict:
     """kernels/cpu_quant.cpp (auto's route): q4 and q8 blocks of 32, fp32 in and out."""
-    from kernels import cpu_quant
+    from kernels import cpu_ops
 
-    if not cpu_quant.available():
+    if not cpu_ops.available():
         return {}
 
     def q4():
@@ -96,8 +96,8 @@ def _our_routes(in_f: int, out_f: int, x: Callable[[int, torch.dtype], torch.Ten
         return torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8), torch.rand(out_f, in_f // 32) * 0.01
 
     return {
-        "rosechat q4 fp32": (q4, lambda w, r: cpu_quant.q4_linear(x(r, torch.float32), *w)),
-        "rosechat q8 fp32": (q8, lambda w, r: cpu_quant.q8_linear(x(r, torch.float32), *w)),
+        "rosechat q4 fp32": (q4, lambda w, r: cpu_ops.q4_linear(x(r, torch.float32), *w)),
+        "rosechat q8 fp32": (q8, lambda w, r: cpu_ops.q8_linear(x(r, torch.float32), *w)),
     }
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_quant
+from kernels import cpu_ops
 
 # Only a CPU without AVX2 (an ARM Mac) goes without them; on x86 a failed build fails the tests.
-pytestmark = pytest.mark.skipif(not cpu_quant.supported_cpu(), reason="the kernels need an x86 CPU with AVX2")
+pytestmark = pytest.mark.skipif(not cpu_ops.supported_cpu(), reason="the kernels need an x86 CPU with AVX2")
 
 
 def test_the_kernels_build_on_this_cpu() -> None:
-    assert cpu_quant.available(), cpu_quant.unavailable_reason()
+    assert cpu_ops.available(), cpu_ops.unavailable_reason()
 
 
 def _quantized_x(x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +53,7 @@ def test_matches_float64_reference(fmt: str, rows: int, k: int, n: int) -> None:
     x = torch.randn(rows, k, generator=gen)
     x[0, :32] = 0  # an all-zero block (scale 0)
     x[-1, 40] = 300.0  # an outlier: only its own block gets coarser
-    y = (cpu_quant.q4_linear if fmt == "q4" else cpu_quant.q8_linear)(x, *weight)
+    y = (cpu_ops.q4_linear if fmt == "q4" else cpu_ops.q8_linear)(x, *weight)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     exact = x.double() @ w.T
     emulated = _quantized_x(x) @ w.T
@@ -69,7 +69,7 @@ def test_rows_are_independent_of_the_batch(fmt: str) -> None:
     """A row's result does not depend on which rows share its call (batch invariance)."""
     gen = torch.Generator().manual_seed(7)
     weight, _ = (_q4 if fmt == "q4" else _q8)(37, 128, gen)
-    op = cpu_quant.q4_linear if fmt == "q4" else cpu_quant.q8_linear
+    op = cpu_ops.q4_linear if fmt == "q4" else cpu_ops.q8_linear
     x = torch.randn(7, 128, generator=gen)
     together = op(x, *weight)
     alone = torch.cat([op(x[i : i + 1].contiguous(), *weight) for i in range(7)])
@@ -80,10 +80,10 @@ def test_bad_inputs_are_refused_clearly() -> None:
     gen = torch.Generator().manual_seed(0)
     (qs, d, m), _ = _q4(8, 64, gen)
     with pytest.raises(RuntimeError, match="x has 32 columns; the weight takes 64"):
-        cpu_quant.q4_linear(torch.randn(2, 32), qs, d, m)
+        cpu_ops.q4_linear(torch.randn(2, 32), qs, d, m)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        cpu_quant.q4_linear(torch.randn(2, 64, dtype=torch.float64), qs, d, m)
+        cpu_ops.q4_linear(torch.randn(2, 64, dtype=torch.float64), qs, d, m)
     with pytest.raises(RuntimeError, match="block scales"):
-        cpu_quant.q4_linear(torch.randn(2, 64), qs, d[:, :1].contiguous(), m)
+        cpu_ops.q4_linear(torch.randn(2, 64), qs, d[:, :1].contiguous(), m)
     with pytest.raises(RuntimeError, match="q8 weight"):
-        cpu_quant.q8_linear(torch.randn(2, 64), qs, d)
+        cpu_ops.q8_linear(torch.randn(2, 64), qs, d)

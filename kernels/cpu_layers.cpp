@@ -1,0 +1,288 @@
+// The small float32 layers of a CPU decode step, fused: RMSNorm (with the residual add), RoPE,
+// SiLU * up, the K/V cache write and one-query paged attention.
+//
+// At one sequence a decode step's math is small and the packed linears stream the weights; what is
+// left is some twenty ATen calls per layer, each a few microseconds of dispatch and temporaries
+// (RMSNorm alone is six of them on CPU). Each op here is one call doing one pass over its rows.
+// Every row (token, or sequence and KV head) is computed on its own, so results do not depend on
+// the batch. Built with cpu_quant.cpp into one extension (kernels/cpu_ops.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+void check_f32(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, what, ": a float32 CPU tensor");
+  TORCH_CHECK(t.stride(-1) == 1, what, ": the last dim must be contiguous");
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x, Cephes' expf polynomial (within 2 ulp), 8 lanes; x <= -88 gives about 0
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+
+inline float exp1(float x) {  // the same polynomial as exp8, for tails
+  float lanes[8];
+  _mm256_storeu_ps(lanes, exp8(_mm256_set1_ps(x)));
+  return lanes[0];
+}
+
+inline float sum_squares(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// out = x / rms(x) * w, one row
+inline void norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
+  const float inv = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv)));
+  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  check_f32(x, "x");
+  check_f32(w, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [T, N]");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "weight: [N] for x's N = ", x.size(1));
+}
+
+// x [T, N] -> RMSNorm(x) * w
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  at::Tensor out = at::empty_like(x);
+  const int64_t n = x.size(1);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) norm_row(xp + t * n, wp, static_cast<float>(eps), n, op + t * n);
+  });
+  return out;
+}
+
+// residual += x, then x = RMSNorm(residual) * w: both in place (the pre-norm block's seam)
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  check_rows(residual, w);
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual: the same shape");
+  const int64_t n = x.size(1);
+  float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float *xr = xp + t * n, *rr = rp + t * n;
+      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
+      norm_row(rr, wp, static_cast<float>(eps), n, xr);
+    }
+  });
+}
+
+// Neox RoPE in place on x [T, H, D] (any strides but the last): halves (a, b) -> (a c - b s, b c + a s)
+void rope_rows(at::Tensor& x, const float* cos, const float* sin, int64_t cs_stride) {
+  const int64_t T = x.size(0), H = x.size(1), half = x.size(2) / 2;
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  float* xp = x.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
+      for (int64_t h = 0; h < H; ++h) {
+        float *a = xp + t * st + h * sh, *bb = a + half;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+          const __m256 va = _mm256_loadu_ps(a + i), vb = _mm256_loadu_ps(bb + i);
+          const __m256 vc = _mm256_loadu_ps(c + i), vs = _mm256_loadu_ps(s + i);
+          _mm256_storeu_ps(a + i, _mm256_sub_ps(_mm256_mul_ps(va, vc), _mm256_mul_ps(vb, vs)));
+          _mm256_storeu_ps(bb + i, _mm256_add_ps(_mm256_mul_ps(vb, vc), _mm256_mul_ps(va, vs)));
+        }
+        for (; i < half; ++i) {
+          const float va = a[i], vb = bb[i];
+          a[i] = va * c[i] - vb * s[i];
+          bb[i] = vb * c[i] + va * s[i];
+        }
+      }
+    }
+  });
+}
+
+// q [T, Hq, D] and k [T, Hk, D] rotated in place; cos, sin [T, D/2] (or [T, 1, D/2])
+void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  for (const auto* t : {&q, &k}) {
+    check_f32(*t, "q/k");
+    TORCH_CHECK(t->dim() == 3 && t->size(2) % 2 == 0 && t->size(0) == cos.size(0), "q/k: [T, H, D], D even");
+  }
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  const int64_t half = q.size(2) / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == q.size(0) * half &&
+                  sin.numel() == cos.numel() && k.size(2) == q.size(2), "cos/sin: contiguous [T, D/2]");
+  rope_rows(q, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
+  rope_rows(k, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
+}
+
+// x [T, 2I] (gate | up) -> silu(gate) * up [T, I]
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x: contiguous [T, 2I]");
+  const int64_t inter = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), inter}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float *g = xp + t * 2 * inter, *u = g + inter;
+      float* o = op + t * inter;
+      int64_t i = 0;
+      const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 vg = _mm256_loadu_ps(g + i);
+        const __m256 sig = _mm256_div_ps(vg, _mm256_add_ps(one, exp8(_mm256_xor_ps(vg, sign))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+      }
+      for (; i < inter; ++i) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// k, v [T, Hkv, D] (rows may be strided views of a qkv output) into caches [blocks, block_size, Hkv, D]
+// at slots [T] int64; slot -1 is skipped
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slots) {
+  for (const at::Tensor* t : {&k, &v, static_cast<const at::Tensor*>(&k_cache), static_cast<const at::Tensor*>(&v_cache)})
+    check_f32(*t, "k/v and caches");
+  TORCH_CHECK(k.dim() == 3 && k.stride(1) == k.size(2) && v.sizes() == k.sizes() && v.stride(1) == v.size(2),
+              "k, v: [T, Hkv, D], each token's heads contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.size(-1) * k_cache.size(-2) == k.size(1) * k.size(2), "caches: contiguous, k's row size");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "slots: contiguous int64 [T]");
+  const int64_t row = k.size(1) * k.size(2), capacity = k_cache.numel() / row;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    const int64_t s = sp[t];
+    if (s < 0) continue;
+    TORCH_CHECK(s < capacity, "slot ", s, " is past the cache's ", capacity, " slots");
+    std::copy_n(k.data_ptr<float>() + t * k.stride(0), row, k_cache.data_ptr<float>() + s * row);
+    std::copy_n(v.data_ptr<float>() + t * v.stride(0), row, v_cache.data_ptr<float>() + s * row);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One query per sequence against the keys at its slots: q [n, Hq, D]; k_rows, v_rows [S, Hkv * D];
+// slots [n, L] int64, of which sequence i attends the first counts[i] (>= 1). Returns out [n, Hq, D]
+// and the log-sum-exp of each row's scaled scores [n, Hq] (to merge with a shared prefix's part).
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_rows,
+                                                    const at::Tensor& v_rows, const at::Tensor& slots,
+                                                    const at::Tensor& counts, double scale) {
+  for (const auto* t : {&q, &k_rows, &v_rows}) {
+    check_f32(*t, "q and the caches");
+    TORCH_CHECK(t->is_contiguous(), "q and the caches: contiguous");
+  }
+  TORCH_CHECK(q.dim() == 3 && k_rows.dim() == 2 && v_rows.sizes() == k_rows.sizes(), "q [n, Hq, D], rows [S, Hkv*D]");
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), S = k_rows.size(0);
+  const int64_t Hkv = k_rows.size(1) / D;
+  TORCH_CHECK(Hkv > 0 && Hkv * D == k_rows.size(1) && Hq % Hkv == 0, "the rows hold whole heads, Hq a multiple");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == n && slots.is_contiguous(),
+              "slots: contiguous int64 [n, L]");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.numel() == n && counts.is_contiguous(), "counts: int64 [n]");
+  const int64_t L = slots.size(1), G = Hq / Hkv;
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(cp[i] >= 1 && cp[i] <= L, "sequence ", i, ": ", cp[i], " keys of ", L, " slots");
+    for (int64_t j = 0; j < cp[i]; ++j)
+      TORCH_CHECK(sp[i * L + j] >= 0 && sp[i * L + j] < S, "slot ", sp[i * L + j], " is outside the cache");
+  }
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({n, Hq}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k_rows.data_ptr<float>(), *vp = v_rows.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / Hkv, h = job % Hkv, len = cp[i];
+      const int64_t* seq_slots = sp + i * L;
+      scores.resize(G * len);
+      for (int64_t j = 0; j < len; ++j) {  // each key read once for the group's G query heads
+        const float* key = kp + seq_slots[j] * Hkv * D + h * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * len + j] = dot(qp + (i * Hq + h * G + g) * D, key, D) * fscale;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * len;
+        const float top = *std::max_element(s, s + len);
+        __m256 acc = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= len; j += 8) {
+          const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+          _mm256_storeu_ps(s + j, p);
+          acc = _mm256_add_ps(acc, p);
+        }
+        float total = hsum(acc);
+        for (; j < len; ++j) total += (s[j] = exp1(s[j] - top));
+        float* o = op + (i * Hq + h * G + g) * D;
+        std::fill_n(o, D, 0.0f);
+        const float inv = 1.0f / total;
+        for (int64_t jj = 0; jj < len; ++jj) {
+          const float* val = vp + seq_slots[jj] * Hkv * D + h * D;
+          const __m256 w = _mm256_set1_ps(s[jj] * inv);
+          int64_t d = 0;
+          for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(val + d), _mm256_loadu_ps(o + d)));
+          for (; d < D; ++d) o[d] += s[jj] * inv * val[d];
+        }
+        lp[i * Hq + h * G + g] = top + std::log(total);
+      }
+    }
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rosechat_layers, lib) {
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  lib.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
+  lib.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary_);
+  lib.def("silu_mul(Tensor x) -> Tensor", &silu_mul);
+  lib.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()", &write_kv);
+  lib.def("decode_attention(Tensor q, Tensor k_rows, Tensor v_rows, Tensor slots, Tensor counts, float scale) "
+          "-> (Tensor, Tensor)", &decode_attention);
+}

@@ -1,0 +1,125 @@
+"""Our CPU kernels, compiled at first use: quantized linears (cpu_quant.cpp) and the fused small
+layers of a decode step (cpu_layers.cpp).
+
+`q4_linear(x, qs, d, m)` and `q8_linear(x, qs, d)` (once `available()` has built them) multiply
+float32 activations by weights kept in blocks of 32 (the layouts are described in cpu_quant.cpp);
+the rest are float32 RMSNorm, RoPE, SiLU * up, the K/V write and one-query paged attention.
+The extension is built once per machine by `torch.utils.cpp_extension` (a C++ compiler and AVX2
+are needed; a few seconds, cached under torch's extensions folder); `available()` says whether it
+could be, and `unavailable_reason()` why not, so a caller can fall back to torch's own kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+BLOCK = 32
+_SOURCES = [Path(__file__).with_name(f) for f in ("cpu_quant.cpp", "cpu_layers.cpp")]
+log = logging.getLogger(__name__)
+
+
+_lock = threading.Lock()  # the engine thread and the UI may both ask first
+
+
+def _build() -> str | None:
+    """Compile and register the ops once; None on success, else the reason they are unavailable."""
+    with _lock:
+        return _build_once()
+
+
+def supported_cpu() -> bool:
+    """An x86 CPU with AVX2, where the kernels are meant to build (elsewhere torch's kernels serve)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def _build_once() -> str | None:
+    if not supported_cpu():
+        return f"needs AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    bin_dir = str(Path(sys.executable).parent)  # the ninja our dependencies install, venv not activated
+    if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join((bin_dir, os.environ.get("PATH", "")))
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="rosechat_cpu", sources=[str(f) for f in _SOURCES], is_python_module=False,
+            # -fopenmp: ATen's parallel_for is an OpenMP pragma in its header (serial without it);
+            # the libgomp it links is the one torch has loaded already (same soname); no contraction:
+            # FMAs are written out where wanted, so RoPE's products round as torch's do
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as exc:  # no compiler, no headers: the caller falls back
+        log.warning("cpu kernels unavailable: %s", exc)
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else exc
+        return f"could not build {_SOURCES[0].parent.name}/cpu_*.cpp: {last}"
+    return None
+
+
+def available() -> bool:
+    return _build() is None
+
+
+# ROSECHAT_CPU_LAYERS=torch keeps the small layers on ATen (to compare; tests flip it too)
+fused_layers = os.environ.get("ROSECHAT_CPU_LAYERS") != "torch"
+
+
+def use_fused(t: Tensor) -> bool:
+    """Whether float32 CPU tensor t goes through the fused layers (built at the first ask)."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and fused_layers and available()
+
+
+def unavailable_reason() -> str | None:
+    return _build()
+
+
+def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
+    """x [M, K] float32 @ (qs [N, K/2] uint8 nibbles * d + m, per block of 32).T -> [M, N] float32."""
+    return torch.ops.rosechat_quant.q4_linear(x, qs, d, m)
+
+
+def q8_linear(x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
+    """x [M, K] float32 @ (qs [N, K] int8 * d, per block of 32).T -> [M, N] float32."""
+    return torch.ops.rosechat_quant.q8_linear(x, qs, d)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim of a contiguous float32 x [T, N]."""
+    return torch.ops.rosechat_layers.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """In place: residual += x, then x = RMSNorm(residual)."""
+    torch.ops.rosechat_layers.add_rms_norm_(x, residual, weight, eps)
+
+
+def rotary_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Neox RoPE in place on q [T, Hq, D] and k [T, Hk, D]; cos, sin: [T, 1, D/2]."""
+    torch.ops.rosechat_layers.rotary_(q, k, cos, sin)
+
+
+def silu_mul(x: Tensor) -> Tensor:
+    """x [T, 2I] = gate | up -> silu(gate) * up [T, I]."""
+    return torch.ops.rosechat_layers.silu_mul(x)
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
+    """k, v [T, Hkv, D] into the caches' slots [T] int64 (-1: skipped)."""
+    torch.ops.rosechat_layers.write_kv(k, v, k_cache, v_cache, slots)
+
+
+def decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, slots: Tensor, counts: Tensor,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """q [n, Hq, D] against the first counts[i] of slots [n, L] in k_rows / v_rows [S, Hkv * D]:
+    (out [n, Hq, D], log-sum-exp of the scaled scores [n, Hq])."""
+    return torch.ops.rosechat_layers.decode_attention(q, k_rows, v_rows, slots, counts, scale)
