@@ -66,8 +66,14 @@ def _build_once() -> str | None:
     return None
 
 
+_built = False  # once built, asked on every layer call: no lock
+
+
 def available() -> bool:
-    return _build() is None
+    global _built
+    if not _built:
+        _built = _build() is None
+    return _built
 
 
 # ROSECHAT_CPU_LAYERS=torch keeps the small layers on ATen (to compare; tests flip it too)
@@ -76,7 +82,7 @@ fused_layers = os.environ.get("ROSECHAT_CPU_LAYERS") != "torch"
 
 def use_fused(t: Tensor) -> bool:
     """Whether float32 CPU tensor t goes through the fused layers (built at the first ask)."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and fused_layers and available()
+    return t.dtype == torch.float32 and t.is_cpu and fused_layers and (_built or available())
 
 
 def unavailable_reason() -> str | None:

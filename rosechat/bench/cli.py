@@ -22,21 +22,25 @@ from rosechat.bench.roofline import measure_machine, model_cost
 from rosechat.bench.systems import (
     CONTINUOUS,
     GENERATE,
+    LLAMA_CPP,
     NO_PREFIX_CACHE,
     ROSECHAT,
     SYSTEMS,
     BenchError,
     ContinuousBatchingRunner,
     GenerateRunner,
+    LlamaCppRunner,
     RosechatRunner,
     Runner,
     SystemResult,
+    llama_cpp_available,
     run_workload,
 )
-from rosechat.bench.twin import Verifier, build_twin
+from rosechat.bench.twin import PACKED_TOLERANCE, Verifier, build_twin
 
 WORKLOADS = ("chat", "multiturn", "random", "decode-overhead")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "auto", "int8", "int4")
 CUDA_KV_MIB = 1024  # KV pool of every system on CUDA unless --kv-cache-mib says otherwise
 
 
@@ -68,7 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N; "
                    "every system runs there, rosechat with the triton backend on CUDA")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, every system")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="rosechat's weights: none (default: dense, the exact comparison), auto (a GGUF file's "
+                   "packed precision), int8, int4; transformers always gets the dense weights")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated subset of {', '.join((*SYSTEMS, LLAMA_CPP))}")
+    p.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=None,
+                   help="add llama.cpp on the same GGUF file and threads (default: when --model is a .gguf file "
+                   "and llama-cpp-python is installed: pip install -e '.[llamacpp]')")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--profile", metavar="DIR", type=Path, help="write a PyTorch profiler trace of decode steps")
     p.add_argument("--seed", type=int, default=0)
@@ -160,7 +171,7 @@ def _verify(result: SystemResult, verifier: Verifier) -> None:
 
 
 def _runner_factories(args: argparse.Namespace, names: list[str], loaded: Any, twin: Any,
-                      workload: workloads.Workload) -> list[Callable[[], Runner]]:
+                      workload: workloads.Workload, gguf: str | None) -> list[Callable[[], Runner]]:
     from engine import EngineConfig, LLMEngine
 
     opts = _engine_options(args)
@@ -174,6 +185,9 @@ def _runner_factories(args: argparse.Namespace, names: list[str], loaded: Any, t
                                                 conversations=multi_turn),
         GENERATE: lambda: GenerateRunner(twin, pad),
     }
+    if gguf is not None and llama_cpp_available():
+        n_ctx = max(sum(len(t.new_tokens) + t.max_tokens for t in conv) for conv in workload.conversations) + 16
+        factories[LLAMA_CPP] = lambda: LlamaCppRunner(gguf, args.threads, n_ctx)
     if ContinuousBatchingRunner.available(twin):
         # the same paged pool as rosechat: block size, number of blocks, tokens per step
         pool = LLMEngine(loaded, config).info.num_blocks
@@ -186,16 +200,16 @@ def _runner_factories(args: argparse.Namespace, names: list[str], loaded: Any, t
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
-    from engine import load_model
+    from engine import load_model, resolve_model
 
     t_start = time.perf_counter()
     load_before = _load()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(SYSTEMS))
+    unknown = sorted(set(names) - {*SYSTEMS, LLAMA_CPP})
     if unknown:
-        raise BenchError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+        raise BenchError(f"unknown system(s) {unknown}; choose from {', '.join((*SYSTEMS, LLAMA_CPP))}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
@@ -203,8 +217,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     dtype = getattr(torch, args.dtype)
 
-    _log(f"loading {args.model} ({args.dtype}, {args.device}, {args.threads} threads)")
-    loaded = load_model(args.model, dtype=dtype, device=device)
+    _log(f"loading {args.model} ({args.dtype}, {args.device}, {args.threads} threads, "
+         f"quantization {args.quantization})")
+    source = resolve_model(args.model)
+    dense = load_model(source, dtype=dtype, device=device, quantization="none")
+    # rosechat's own copy when packed; transformers (and the output check) keep the dense weights
+    loaded = dense if args.quantization == "none" else load_model(source, dtype=dtype, device=device,
+                                                                  quantization=args.quantization)
+    gguf = str(source.path) if source.gguf is not None else None
+    if args.llama_cpp and (gguf is None or not llama_cpp_available()):
+        raise BenchError("--llama-cpp needs a .gguf --model and llama-cpp-python (pip install -e '.[llamacpp]')")
+    default_set = args.systems == ",".join(SYSTEMS)  # llama.cpp joins the default set where it can run
+    if (args.llama_cpp or (args.llama_cpp is None and default_set and gguf is not None and llama_cpp_available())) \
+            and LLAMA_CPP not in names:
+        names.append(LLAMA_CPP)
     src = workloads.TokenSource(loaded.tokenizer, args.seed)
     machine = measure_machine(dtype, device)
     cost = model_cost(loaded, dtype)
@@ -212,10 +238,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = None if args.workload == "decode-overhead" else _workload(args, src)
     results: list[SystemResult] = []
     if workload is not None:
-        twin = build_twin(loaded, dtype)
-        verifier = Verifier(twin)
+        twin = build_twin(dense, dtype)
+        exact = Verifier(twin)
+        # packed weights (rosechat's, llama.cpp's) round differently: near-ties may go either way
+        packed = Verifier(twin, PACKED_TOLERANCE)
         warm_prompt = src.take(16)
-        for factory in _runner_factories(args, names, loaded, twin, workload):
+        for factory in _runner_factories(args, names, loaded, twin, workload, gguf):
             runner = factory()
             _log(f"{runner.name}: {workload.name} ({workload.summary})")
             runner.warmup(warm_prompt)
@@ -223,7 +251,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del runner  # frees its KV pool before the next system allocates one
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            _verify(result, verifier)
+            is_packed = result.name == LLAMA_CPP or (args.quantization != "none" and result.name != GENERATE
+                                                     and result.name != CONTINUOUS)
+            _verify(result, packed if is_packed else exact)
             _log(f"{result.name}: {result.wall_s:.1f} s, outputs {'match' if result.outputs_match else 'DIFFER'}")
             results.append(result)
 
@@ -238,6 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     header = {
         "model": loaded.name,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "threads": args.threads,
         "device": args.device,
         "torch": torch.__version__,

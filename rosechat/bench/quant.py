@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from rosechat.bench.systems import LLAMA_CPP, llama_cpp_available
+
 # (name, in_features, out_features): SmolLM2-135M-Instruct's matrices
 SMOLLM2_SHAPES = [
     ("q/o 576->576", 576, 576),
@@ -163,15 +165,6 @@ def _status() -> dict[str, int]:
     keys = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
     with open("/proc/self/status") as f:
         return {line.split(":")[0]: int(line.split()[1]) << 10 for line in f if line.startswith(keys)}
-
-
-LLAMA_CPP = "llama.cpp"  # the peer system: llama-cpp-python on the same GGUF file (pip install -e '.[llamacpp]')
-
-
-def llama_cpp_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: str, streams: str) -> dict:

@@ -67,15 +67,27 @@ class ModelCost:
 
 
 def model_cost(loaded: Any, dtype: torch.dtype) -> ModelCost:
+    from engine.packed_weights import PackedWeight
+    from engine.quant import PackedEmbedding, PackedLinear
+
     model, config = loaded.model, loaded.config
-    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    if getattr(model, "lm_head", None) is None:  # tied: the embedding matrix is the head
-        params += config.vocab_size * config.hidden_size
     itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def cost(weight: Any) -> tuple[int, int]:  # (params, bytes): packed weights stream their packed bytes
+        if isinstance(weight, PackedWeight):
+            return weight.numel(), weight.nbytes()
+        return weight.numel(), weight.numel() * itemsize
+
+    # every linear (dense or packed), and a tied head: the embedding matrix
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)]
+    if getattr(model, "lm_head", None) is None:
+        weights.append(next(m.weight for m in model.modules() if isinstance(m, nn.Embedding | PackedEmbedding)
+                            and m.weight.shape[0] == config.vocab_size))
+    params, nbytes = (sum(c) for c in zip(*map(cost, weights)))
     heads = config.num_attention_heads
     return ModelCost(
         matmul_params=params,
-        weight_bytes=params * itemsize,
+        weight_bytes=nbytes,
         kv_bytes_per_token=2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * itemsize,
         attn_flops_per_key=4 * loaded.num_layers * heads * loaded.head_dim,
     )

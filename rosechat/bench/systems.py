@@ -3,6 +3,9 @@
 - `rosechat` / `rosechat-no-prefix-cache`: the engine (conversation API for multi-turn workloads).
 - `transformers-generate`: `model.generate()` on each round's prompts, batched with left padding.
 - `transformers-continuous-batching`: `model.generate_batch()` (paged cache, block sharing on).
+- `llama.cpp`: llama-cpp-python on the same GGUF file, same threads (`pip install -e '.[llamacpp]'`).
+  Its Python API runs one sequence at a time: the requests of a round run one after another, each
+  reusing the longest prefix it shares with the one before (llama.cpp's own prompt cache).
 
 Each reports its replies with their time to first token (from the round's submission), the prompt
 tokens it actually computed, and its peak KV memory.
@@ -24,7 +27,8 @@ from rosechat.bench.workloads import Workload
 
 ROSECHAT, NO_PREFIX_CACHE = "rosechat", "rosechat-no-prefix-cache"
 GENERATE, CONTINUOUS = "transformers-generate", "transformers-continuous-batching"
-SYSTEMS = (ROSECHAT, NO_PREFIX_CACHE, GENERATE, CONTINUOUS)
+LLAMA_CPP = "llama.cpp"
+SYSTEMS = (ROSECHAT, NO_PREFIX_CACHE, GENERATE, CONTINUOUS)  # the default set; llama.cpp joins where installed
 
 
 class BenchError(RuntimeError):
@@ -306,3 +310,44 @@ class ContinuousBatchingRunner(Runner):
                 if result is not None and result.is_finished():
                     results[result.request_id] = result
         return [results[i] for i in ids if i in results]
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+class LlamaCppRunner(Runner):
+    name = LLAMA_CPP
+
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=gguf_path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                         n_batch=512, verbose=False)
+        self._last: list[int] = []  # the tokens in llama.cpp's context after the last request
+        super().__init__()
+
+    def generate(self, conversations: list[int], prompts: list[list[int]], max_tokens: list[int]) -> list[Reply]:
+        start = time.perf_counter()
+        replies = []
+        for prompt, m in zip(prompts, max_tokens):
+            shared = 0  # what generate(reset=True) keeps of the context: the longest common prefix
+            for a, b in zip(self._last, prompt[:-1]):
+                if a != b:
+                    break
+                shared += 1
+            self.prefill_tokens += len(prompt) - shared
+            out: list[int] = []
+            first = 0.0
+            for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # never stops at EOS
+                if not out:
+                    first = time.perf_counter() - start
+                out.append(token)
+                if len(out) >= m:
+                    break
+            self._last = prompt + out[:-1]  # the last token was sampled, never evaluated
+            replies.append(Reply(out, first))
+        return replies

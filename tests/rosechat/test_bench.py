@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rosechat.bench import main
-from rosechat.bench.systems import CONTINUOUS, GENERATE, NO_PREFIX_CACHE, ROSECHAT
+from rosechat.bench.systems import CONTINUOUS, GENERATE, LLAMA_CPP, NO_PREFIX_CACHE, ROSECHAT, llama_cpp_available
 from rosechat.bench.twin import Verifier, build_twin
 from tests.helpers import make_tiny_model
 
@@ -151,3 +151,45 @@ def test_random_lengths_through_continuous_batching(tiny: Path, capsys) -> None:
     assert rc["outputs_match"] and cb["outputs_match"], (rc.get("mismatch"), cb.get("mismatch"))
     assert rc["output_tokens"] == cb["output_tokens"] < 4 * 7  # each request its own length
     assert rc["prefill_tokens"] == rc["prompt_tokens"]  # nothing shared: everything computed
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.gguf_helpers import write_gguf
+
+    path = tmp_path_factory.mktemp("bench-gguf") / "tiny-q4.gguf"
+    write_gguf(path, "llama", qtype="Q4_0")
+    return path
+
+
+def test_chat_with_packed_weights_against_the_dense_model(tiny_gguf: Path, capsys) -> None:
+    """--quantization: rosechat runs the packed weights, transformers the dense ones; the roofline
+    counts the bytes a step streams (the packed ones)."""
+    argv = ["chat", "--model", str(tiny_gguf), "--systems", f"{ROSECHAT},{GENERATE}", "--no-llama-cpp",
+            "--conversations", "2", "--system-tokens", "32", "--user-tokens", "8", "--max-tokens", "5",
+            "--decode-batches", "1", "--decode-context", "16", "--decode-steps", "2"]
+    packed = run_bench(capsys, *argv, "--quantization", "auto")
+    dense = run_bench(capsys, *argv)
+    assert packed["quantization"] == "auto" and dense["quantization"] == "none"
+    for report in (packed, dense):
+        systems = {s["name"]: s for s in report["systems"]}
+        assert list(systems) == [ROSECHAT, GENERATE]
+        assert all(s["outputs_match"] for s in systems.values()), systems
+        assert systems[ROSECHAT]["output_tokens"] == 2 * 5
+    packed_bytes = packed["roofline"]["model"]["weight_bytes"]
+    dense_bytes = dense["roofline"]["model"]["weight_bytes"]
+    assert packed["roofline"]["model"]["matmul_params"] == dense["roofline"]["model"]["matmul_params"]
+    assert 0 < packed_bytes < dense_bytes / 3  # 4-bit blocks against float32
+
+
+@pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is an optional extra (.[llamacpp])")
+def test_llama_cpp_joins_the_chat_workload_on_a_gguf_file(tiny_gguf: Path, capsys) -> None:
+    report = run_bench(capsys, "chat", "--model", str(tiny_gguf), "--systems", f"{ROSECHAT},{GENERATE}",
+                       "--llama-cpp", "--quantization", "auto", "--conversations", "2", "--system-tokens", "32",
+                       "--user-tokens", "8", "--max-tokens", "5", "--no-decode-overhead")
+    systems = {s["name"]: s for s in report["systems"]}
+    assert list(systems) == [ROSECHAT, GENERATE, LLAMA_CPP]
+    cpp = systems[LLAMA_CPP]
+    assert cpp["output_tokens"] == 2 * 5 and cpp["outputs_match"], cpp
+    # the second conversation reuses the shared system prompt from llama.cpp's context
+    assert cpp["prefill_tokens"] < 2 * (32 + 8)
