@@ -12,6 +12,11 @@ from kernels import cpu_ops
 pytestmark = pytest.mark.skipif(not cpu_ops.supported_cpu(), reason="the kernels need an x86 CPU with AVX2")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def built() -> None:  # whatever test runs first (pytest-randomly)
+    assert cpu_ops.available(), cpu_ops.unavailable_reason()
+
+
 def test_the_kernels_build_on_this_cpu() -> None:
     assert cpu_ops.available(), cpu_ops.unavailable_reason()
 

@@ -1,0 +1,132 @@
+"""kernels/cpu_layers.cpp (the fused float32 layers of a CPU step) against float64 references, and
+the model with them against the model without them (ATen ops, ROSECHAT_CPU_LAYERS=torch)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.supported_cpu(), reason="the kernels need an x86 CPU with AVX2")
+gen = torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built() -> None:
+    assert cpu_ops.available(), cpu_ops.unavailable_reason()  # on x86 a failed build fails the tests
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-6) -> None:
+    assert got.dtype == torch.float32
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol * max(1.0, want.abs().max().item()), err
+
+
+def rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("n", [576, 37])  # a tail past the 8-lane loops
+def test_rms_norm_and_the_fused_residual_add(n: int) -> None:
+    x, res, w = randn(5, n), randn(5, n), randn(n)
+    close(cpu_ops.rms_norm(x, w, 1e-5), rms_ref(x, w, 1e-5))
+    want_res = res.double() + x.double()
+    cpu_ops.add_rms_norm_(x, res, w, 1e-5)
+    close(res, want_res)
+    close(x, rms_ref(want_res, w, 1e-5))
+
+
+def test_rotary_in_place_on_strided_views_of_one_projection() -> None:
+    T, Hq, Hk, D = 3, 4, 2, 20  # D/2 = 10: one vector and a tail
+    qkv = randn(T, (Hq + 2 * Hk) * D)
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    v_before = qkv[:, (Hq + Hk) * D :].clone()
+    angles = randn(T, 1, D // 2)
+    cos, sin = angles.cos(), angles.sin()
+
+    def ref(x: torch.Tensor) -> torch.Tensor:
+        a, b = x.double().chunk(2, dim=-1)
+        c, s = cos.double(), sin.double()
+        return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+
+    want_q, want_k = ref(q), ref(k)
+    cpu_ops.rotary_(q, k, cos, sin)
+    close(q, want_q)
+    close(k, want_k)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], v_before)  # v untouched
+
+
+def test_silu_mul() -> None:
+    x = randn(3, 2 * 45) * 6  # large |x|: exp's range
+    g, u = x.double().chunk(2, dim=-1)
+    close(cpu_ops.silu_mul(x), g * torch.sigmoid(g) * u, tol=1e-6)
+
+
+def test_write_kv_skips_minus_one_and_checks_the_slot_range() -> None:
+    blocks, bs, Hkv, D = 3, 4, 2, 8
+    k_cache, v_cache = torch.zeros(blocks, bs, Hkv, D), torch.zeros(blocks, bs, Hkv, D)
+    kv = randn(3, 2 * Hkv * D)
+    k, v = kv[:, : Hkv * D].view(3, Hkv, D), kv[:, Hkv * D :].view(3, Hkv, D)  # strided rows
+    cpu_ops.write_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 11]))
+    flat_k, flat_v = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[11], k[2])
+    assert torch.equal(flat_v[5], v[0]) and torch.equal(flat_v[11], v[2])
+    assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 2  # the -1 row wrote nothing
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_ops.write_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, blocks * bs]))
+
+
+@pytest.mark.parametrize("Hq, Hkv, D", [(6, 2, 16), (3, 3, 12)])  # GQA, and MHA with a tail
+def test_decode_attention_reads_each_sequence_own_slots(Hq: int, Hkv: int, D: int) -> None:
+    S, n, L = 40, 3, 11
+    k_rows, v_rows = randn(S, Hkv * D), randn(S, Hkv * D)
+    q = randn(n, Hq, D)
+    slots = torch.randperm(S, generator=gen)[: n * L].view(n, L).contiguous()
+    counts = torch.tensor([11, 1, 9])  # past a sequence's count its slots are never read
+    scale = 1 / math.sqrt(D)
+    out, lse = cpu_ops.decode_attention(q, k_rows, v_rows, slots, counts, scale)
+    assert out.shape == (n, Hq, D) and lse.shape == (n, Hq)
+    G = Hq // Hkv
+    for i in range(n):
+        own = slots[i, : counts[i]]
+        k = k_rows[own].double().view(-1, Hkv, D)
+        v = v_rows[own].double().view(-1, Hkv, D)
+        for h in range(Hq):
+            s = k[:, h // G] @ q[i, h].double() * scale
+            close(out[i, h], torch.softmax(s, 0) @ v[:, h // G], tol=1e-6)
+            close(lse[i, h], torch.logsumexp(s, 0), tol=1e-6)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.decode_attention(q, k_rows, v_rows, slots + S, counts, scale)
+    with pytest.raises(RuntimeError, match="keys of"):
+        cpu_ops.decode_attention(q, k_rows, v_rows, slots, torch.tensor([0, 1, 1]), scale)
+
+
+def test_the_model_gives_the_same_logits_with_and_without_the_fused_layers(tmp_path, monkeypatch) -> None:
+    """The engine with the fused layers and with ATen's: the same prefill logits within float32
+    rounding, and the same greedy tokens from decodes over a shared prefix (the cascade path)."""
+    from engine import EngineConfig, LLMEngine, SamplingParams, load_model
+    from tests.helpers import make_tiny_model
+
+    loaded = load_model(make_tiny_model(tmp_path / "tiny", "llama", seed=3))
+    prompt = list(range(3, 23))
+
+    def run() -> tuple[list[list[int]], torch.Tensor]:
+        engine = LLMEngine(loaded, EngineConfig(model="tiny", block_size=4, num_blocks=64))
+        logits = engine.score(prompt)
+        outs = engine.generate([prompt, prompt[:-1] + [7], prompt[:9]], SamplingParams(max_tokens=8, ignore_eos=True))
+        return [list(o.outputs[0].token_ids) for o in outs], logits
+
+    fused_tokens, fused_logits = run()
+    monkeypatch.setattr(cpu_ops, "fused_layers", False)
+    aten_tokens, aten_logits = run()
+    assert fused_tokens == aten_tokens
+    assert (fused_logits - aten_logits).abs().max().item() < 1e-4 * fused_logits.abs().max().item()
