@@ -140,19 +140,20 @@ class BlockWeight(PackedWeight):
 
 
 class Q4Weight(BlockWeight):
-    """GGUF-style 4-bit blocks: nibbles [out, in/2] in GGML order, d and m [out, in/32]: w = q * d + m."""
+    """GGUF-style 4-bit blocks: nibbles [out, in/2] in GGML order, d and m [out, in/32]: w = q * d + m.
+    The nibbles are kept in the kernel's layout (cpu_ops.pack_q4: block pairs interleaved)."""
 
     mode = "int4"
 
     def __init__(self, qs: Tensor, d: Tensor, m: Tensor) -> None:
         self.shape = (qs.shape[0], qs.shape[1] * 2)
-        self.qs, self.d, self.m = qs.contiguous(), d.float().contiguous(), m.float().contiguous()
+        self.qs, self.d, self.m = cpu_ops.pack_q4(qs), d.float().contiguous(), m.float().contiguous()
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q4_linear(x, self.qs, self.d, self.m)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        nib = self.qs[ids].view(*ids.shape, -1, GROUP // 2)  # [*ids, blocks, 16]
+        nib = cpu_ops.unpack_q4(self.qs[ids], self.shape[1]).view(*ids.shape, -1, GROUP // 2)  # [*ids, blocks, 16]
         q = torch.cat((nib & 0x0F, nib >> 4), dim=-1).float()  # element j low, j + 16 high
         return (q * self.d[ids][..., None] + self.m[ids][..., None]).flatten(-2).to(dtype)
 

@@ -89,8 +89,26 @@ def unavailable_reason() -> str | None:
     return _build()
 
 
+def pack_q4(nibbles: Tensor) -> Tensor:
+    """GGML-order q4 bytes [N, K/2] (16 per block of 32) -> q4_linear's layout [N, ceil(K/64) * 32]:
+    the blocks in pairs, the pair's bytes interleaved (a lone last block paired with zeros)."""
+    n, nb = nibbles.shape[0], nibbles.shape[1] // 16
+    blocks = nibbles.reshape(n, nb, 16)
+    if nb % 2:
+        blocks = torch.cat((blocks, blocks.new_zeros(n, 1, 16)), dim=1)
+    return blocks.view(n, -1, 2, 16).transpose(2, 3).reshape(n, -1).contiguous()
+
+
+def unpack_q4(packed: Tensor, k: int) -> Tensor:
+    """pack_q4's inverse: GGML-order bytes [..., K/2] of rows in q4_linear's layout [..., ceil(K/64) * 32]."""
+    lead = packed.shape[:-1]
+    pairs = packed.reshape(*lead, -1, 16, 2).transpose(-1, -2)  # [..., pairs, 2, 16]
+    return pairs.reshape(*lead, -1, 16)[..., : k // 32, :].reshape(*lead, k // 2)
+
+
 def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
-    """x [M, K] float32 @ (qs [N, K/2] uint8 nibbles * d + m, per block of 32).T -> [M, N] float32."""
+    """x [M, K] float32 @ (qs * d + m, per block of 32).T -> [M, N] float32; qs: pack_q4's layout
+    [N, ceil(K/64) * 32] uint8, d and m [N, K/32] float32."""
     return torch.ops.rosechat_quant.q4_linear(x, qs, d, m)
 
 

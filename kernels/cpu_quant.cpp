@@ -1,7 +1,11 @@
 // Weight-only quantized linear layers for x86 CPUs with AVX2: y = x @ W.T with W kept in blocks of 32.
 //
-//   q4: w = q * d + m,  q in 0..15, GGML nibble order (byte j: element j low, element j + 16 high)
-//       (GGUF Q4_0 with m = -8d, Q4_1, and Q4_K's 32-weight sub-blocks map onto it exactly)
+//   q4: w = q * d + m,  q in 0..15 (GGUF Q4_0 with m = -8d, Q4_1, and Q4_K's 32-weight sub-blocks map
+//       onto it exactly). A row's blocks go in pairs: byte 2j of a pair is byte j of the first block
+//       in GGML order (element j low nibble, element j + 16 high), byte 2j + 1 byte j of the second,
+//       so one 16-bit lane holds element j of both halves of both blocks: shifts and masks widen
+//       them, no byte shuffles (cpu_ops.pack_q4 interleaves GGML bytes so; a lone last block is
+//       paired with zeros)
 //   q8: w = q * d,      q in -127..127 (GGUF Q8_0 exactly; Q5/Q6 blocks requantized per 32)
 //
 // As in llama.cpp, each row of x is quantized per block of 32 and every block dot product runs on
@@ -102,10 +106,16 @@ struct Q4 {
   const float *d, *m;
   int64_t nb;
   inline void widen(int64_t row, int64_t b, __m256i& lo, __m256i& hi) const {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (row * nb + b) * 16));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
-    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+    const int64_t row_bytes = (nb + 1) / 2 * 32;
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + row * row_bytes + b / 2 * 32));
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    if (b % 2 == 0) {  // the pair's first block: the low byte of every lane
+      lo = _mm256_and_si256(v, low);
+      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    } else {
+      lo = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
+      hi = _mm256_srli_epi16(v, 12);
+    }
   }
   inline float offset(int64_t row, const float* xs) const { return dot_f32(m + row * nb, xs, nb); }
 };
@@ -180,11 +190,13 @@ void check(const at::Tensor& x, int64_t n, int64_t k, std::initializer_list<at::
                 "block scales: contiguous float32 [N, K/32]");
 }
 
-// x [M, K] float32; qs uint8 [N, K/2]; d, m float32 [N, K/32] -> [M, N] float32
+// x [M, K] float32; qs uint8 [N, ceil(K/64) * 32] (block pairs); d, m float32 [N, K/32] -> [M, N] float32
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  const int64_t n = qs.size(0), k = qs.size(1) * 2;
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "q4 weight: contiguous uint8 [N, K/2]");
+  TORCH_CHECK(d.dim() == 2 && qs.dim() == 2, "q4 weight [N, ceil(K/64) * 32], block scales [N, K/32]");
+  const int64_t n = qs.size(0), k = d.size(1) * kBlock;  // the scales count the blocks
   check(x, n, k, {d, m});
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(1) == (k / kBlock + 1) / 2 * 32,
+              "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4), K = ", k);
   return blocked_linear(x, Q4{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), k / kBlock}, n);
 }
 

@@ -91,8 +91,8 @@ def _our_routes(in_f: int, out_f: int, x: Callable[[int, torch.dtype], torch.Ten
         return {}
 
     def q4():
-        return (torch.randint(0, 256, (out_f, in_f // 2), dtype=torch.uint8), torch.rand(out_f, in_f // 32) * 0.01,
-                -torch.rand(out_f, in_f // 32) * 0.1)
+        nibbles = torch.randint(0, 256, (out_f, in_f // 2), dtype=torch.uint8)
+        return (cpu_ops.pack_q4(nibbles), torch.rand(out_f, in_f // 32) * 0.01, -torch.rand(out_f, in_f // 32) * 0.1)
 
     def q8():
         return torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8), torch.rand(out_f, in_f // 32) * 0.01

@@ -37,6 +37,7 @@ def _q4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     m = -torch.rand(n, k // 32, generator=gen) * 0.1
     g = q.view(n, k // 32, 2, 16)
     qs = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)  # GGML order: byte j = q[j] | q[j + 16] << 4
+    qs = cpu_ops.pack_q4(qs)
     w = (q.view(n, k // 32, 32).double() * d.double()[..., None] + m.double()[..., None]).view(n, k)
     return (qs, d, m), w
 
@@ -81,6 +82,15 @@ def test_rows_are_independent_of_the_batch(fmt: str) -> None:
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("k", [32, 64, 96])
+def test_pack_q4_round_trips(k: int) -> None:
+    nibbles = torch.randint(0, 256, (5, k // 2), dtype=torch.uint8)
+    packed = cpu_ops.pack_q4(nibbles)
+    assert packed.shape == (5, (k // 32 + 1) // 2 * 32)
+    assert torch.equal(cpu_ops.unpack_q4(packed, k), nibbles)
+    assert torch.equal(cpu_ops.unpack_q4(packed[[3, 1]], k), nibbles[[3, 1]])  # rows, as an embedding reads
+
+
 def test_bad_inputs_are_refused_clearly() -> None:
     gen = torch.Generator().manual_seed(0)
     (qs, d, m), _ = _q4(8, 64, gen)
@@ -89,6 +99,8 @@ def test_bad_inputs_are_refused_clearly() -> None:
     with pytest.raises(RuntimeError, match="contiguous float32"):
         cpu_ops.q4_linear(torch.randn(2, 64, dtype=torch.float64), qs, d, m)
     with pytest.raises(RuntimeError, match="block scales"):
-        cpu_ops.q4_linear(torch.randn(2, 64), qs, d[:, :1].contiguous(), m)
+        cpu_ops.q4_linear(torch.randn(2, 64), qs, d, m[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match="pack_q4"):
+        cpu_ops.q4_linear(torch.randn(2, 64), qs[:, :16].contiguous(), d, m)
     with pytest.raises(RuntimeError, match="q8 weight"):
         cpu_ops.q8_linear(torch.randn(2, 64), qs, d)
