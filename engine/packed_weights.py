@@ -162,19 +162,20 @@ class Q4Weight(BlockWeight):
 
 
 class Q8Weight(BlockWeight):
-    """8-bit blocks of 32: int8 [out, in], d [out, in/32]: w = q * d."""
+    """8-bit blocks of 32: int8 [out, in], d [out, in/32]: w = q * d. Kept in the kernel's order
+    (cpu_ops.pack_q8: each block's halves interleaved)."""
 
     mode = "int8"
 
     def __init__(self, qs: Tensor, d: Tensor) -> None:
         self.shape = tuple(qs.shape)
-        self.qs, self.d = qs.contiguous(), d.float().contiguous()
+        self.qs, self.d = cpu_ops.pack_q8(qs), d.float().contiguous()
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q8_linear(x, self.qs, self.d)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        q = self.qs[ids].view(*ids.shape, -1, GROUP).float()
+        q = cpu_ops.unpack_q8(self.qs[ids]).view(*ids.shape, -1, GROUP).float()
         return (q * self.d[ids][..., None]).flatten(-2).to(dtype)
 
     def nbytes(self) -> int:

@@ -106,6 +106,18 @@ def unpack_q4(packed: Tensor, k: int) -> Tensor:
     return pairs.reshape(*lead, -1, 16)[..., : k // 32, :].reshape(*lead, k // 2)
 
 
+def pack_q8(q: Tensor) -> Tensor:
+    """int8 [N, K] in blocks of 32 -> q8_linear's order: each block's halves interleaved byte by byte."""
+    n, k = q.shape
+    return q.reshape(n, k // 32, 2, 16).transpose(2, 3).reshape(n, k).contiguous()
+
+
+def unpack_q8(packed: Tensor) -> Tensor:
+    """pack_q8's inverse, for rows [..., K]."""
+    lead, k = packed.shape[:-1], packed.shape[-1]
+    return packed.reshape(*lead, k // 32, 16, 2).transpose(-1, -2).reshape(*lead, k)
+
+
 def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs * d + m, per block of 32).T -> [M, N] float32; qs: pack_q4's layout
     [N, ceil(K/64) * 32] uint8, d and m [N, K/32] float32."""
@@ -113,7 +125,7 @@ def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
 
 
 def q8_linear(x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
-    """x [M, K] float32 @ (qs [N, K] int8 * d, per block of 32).T -> [M, N] float32."""
+    """x [M, K] float32 @ (qs [N, K] int8 in pack_q8's order * d, per block of 32).T -> [M, N] float32."""
     return torch.ops.rosechat_quant.q8_linear(x, qs, d)
 
 

@@ -6,7 +6,8 @@
 //       so one 16-bit lane holds element j of both halves of both blocks: shifts and masks widen
 //       them, no byte shuffles (cpu_ops.pack_q4 interleaves GGML bytes so; a lone last block is
 //       paired with zeros)
-//   q8: w = q * d,      q in -127..127 (GGUF Q8_0 exactly; Q5/Q6 blocks requantized per 32)
+//   q8: w = q * d,      q in -127..127 (GGUF Q8_0 exactly; Q5/Q6 blocks requantized per 32). A
+//       block's byte 2j is element j, byte 2j + 1 element j + 16 (cpu_ops.pack_q8): shifts widen them
 //
 // As in llama.cpp, each row of x is quantized per block of 32 and every block dot product runs on
 // integers, scaled once per block. Unlike llama.cpp, x is quantized to int16, not int8: its error is
@@ -126,9 +127,9 @@ struct Q8 {
   const float* d;
   int64_t nb;
   inline void widen(int64_t row, int64_t b, __m256i& lo, __m256i& hi) const {
-    const int8_t* p = q + (row * nb + b) * kBlock;
-    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (row * nb + b) * kBlock));
+    lo = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // the low byte of each lane, sign-extended
+    hi = _mm256_srai_epi16(v, 8);
   }
   inline float offset(int64_t, const float*) const { return 0.0f; }
 };
@@ -200,7 +201,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return blocked_linear(x, Q4{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), k / kBlock}, n);
 }
 
-// x [M, K] float32; qs int8 [N, K]; d float32 [N, K/32] -> [M, N] float32
+// x [M, K] float32; qs int8 [N, K] (pack_q8's order); d float32 [N, K/32] -> [M, N] float32
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
   const int64_t n = qs.size(0), k = qs.size(1);
   TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous(), "q8 weight: contiguous int8 [N, K]");

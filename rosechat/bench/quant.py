@@ -95,7 +95,8 @@ def _our_routes(in_f: int, out_f: int, x: Callable[[int, torch.dtype], torch.Ten
         return (cpu_ops.pack_q4(nibbles), torch.rand(out_f, in_f // 32) * 0.01, -torch.rand(out_f, in_f // 32) * 0.1)
 
     def q8():
-        return torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8), torch.rand(out_f, in_f // 32) * 0.01
+        q = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
+        return cpu_ops.pack_q8(q), torch.rand(out_f, in_f // 32) * 0.01
 
     return {
         "rosechat q4 fp32": (q4, lambda w, r: cpu_ops.q4_linear(x(r, torch.float32), *w)),

@@ -45,7 +45,7 @@ def _q4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
 def _q8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     d = torch.rand(n, k // 32, generator=gen) * 0.01
-    return (q, d), (q.view(n, k // 32, 32).double() * d.double()[..., None]).view(n, k)
+    return (cpu_ops.pack_q8(q), d), (q.view(n, k // 32, 32).double() * d.double()[..., None]).view(n, k)
 
 
 SHAPES = [(1, 576, 960), (2, 64, 5), (3, 1536, 577), (8, 576, 100), (17, 96, 33)]
@@ -83,12 +83,14 @@ def test_rows_are_independent_of_the_batch(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("k", [32, 64, 96])
-def test_pack_q4_round_trips(k: int) -> None:
+def test_pack_q4_and_q8_round_trip(k: int) -> None:
     nibbles = torch.randint(0, 256, (5, k // 2), dtype=torch.uint8)
     packed = cpu_ops.pack_q4(nibbles)
     assert packed.shape == (5, (k // 32 + 1) // 2 * 32)
     assert torch.equal(cpu_ops.unpack_q4(packed, k), nibbles)
     assert torch.equal(cpu_ops.unpack_q4(packed[[3, 1]], k), nibbles[[3, 1]])  # rows, as an embedding reads
+    q8 = torch.randint(-127, 128, (5, k), dtype=torch.int8)
+    assert torch.equal(cpu_ops.unpack_q8(cpu_ops.pack_q8(q8)[[3, 1]]), q8[[3, 1]])
 
 
 def test_bad_inputs_are_refused_clearly() -> None:
