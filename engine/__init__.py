@@ -20,7 +20,7 @@ from engine.loader import (
 )
 from engine.models.layers import linear  # the models' linear op (the bench measures its routes)
 from engine.output_processor import CompletionOutput, RequestOutput
-from engine.quant import packed_bytes
+from engine.quant import matmul_weight_cost, packed_bytes
 from engine.sequence import SamplingParams
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "generation_defaults",
     "linear",
     "load_model",
+    "matmul_weight_cost",
     "packed_bytes",
     "resolve_model",
 ]

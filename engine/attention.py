@@ -40,6 +40,16 @@ class AttentionBackend:
     def metadata(self, **fields) -> AttentionMetadata:
         return AttentionMetadata(backend=self, **fields)
 
+    def one_gather(self, meta: AttentionMetadata) -> tuple[Tensor, Tensor] | None:
+        """(slots [T, L], own keys [T]) when every token of the step is a decode the CPU kernel
+        attends in one chunk with no shared prefix (what a whole-layer decode op takes), else None."""
+        plan = meta.decode_plan
+        if (plan is None or self.kernels == "triton" or plan.prefixes or plan.too_long or len(plan.chunks) != 1
+                or meta.num_decode_tokens != meta.slot_mapping.shape[0]):
+            return None
+        chunk = plan.chunks[0]
+        return (chunk.slots.view(chunk.n, chunk.L), chunk.counts) if chunk.seqs is None else None
+
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, meta: AttentionMetadata) -> Tensor:
         """Write this step's K/V into their slots, then attend: decodes first, then prefills."""
         k_cache, v_cache = self.layers[layer]

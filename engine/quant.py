@@ -266,6 +266,19 @@ def packed_bytes(model: nn.Module) -> int:
     return sum(m.weight.nbytes() for m in packed_modules(model).values() if m.weight is not None)
 
 
+def matmul_weight_cost(model: nn.Module, vocab_size: int, itemsize: int) -> tuple[int, int]:
+    """(params, bytes) of the weights one decode token multiplies: every linear and, when the head is
+    tied, the embedding matrix; packed weights stream their packed bytes, dense ones `itemsize` each."""
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)]
+    if getattr(model, "lm_head", None) is None:
+        weights.append(next(m.weight for m in model.modules()
+                            if isinstance(m, nn.Embedding | PackedEmbedding) and m.weight.shape[0] == vocab_size))
+    packed = [w for w in weights if isinstance(w, PackedWeight)]
+    dense = [w for w in weights if not isinstance(w, PackedWeight)]
+    params = sum(w.numel() for w in weights)
+    return params, sum(w.nbytes() for w in packed) + sum(w.numel() for w in dense) * itemsize
+
+
 __all__ = [
     "GGUFBlocks",
     "Int4Weight",
@@ -278,6 +291,7 @@ __all__ = [
     "Q8Weight",
     "auto_mode",
     "kernels_available",
+    "matmul_weight_cost",
     "pack",
     "packable_modules",
     "packed_bytes",

@@ -1,5 +1,5 @@
-"""Our CPU kernels, compiled at first use: quantized linears (cpu_quant.cpp) and the fused small
-layers of a decode step (cpu_layers.cpp).
+"""Our CPU kernels, compiled at first use: quantized linears (cpu_quant.cpp), the fused small
+layers of a decode step (cpu_layers.cpp) and a whole Llama layer of a decode step (cpu_decode.cpp).
 
 `q4_linear(x, qs, d, m)` and `q8_linear(x, qs, d)` (once `available()` has built them) multiply
 float32 activations by weights kept in blocks of 32 (the layouts are described in cpu_quant.cpp);
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 BLOCK = 32
-_SOURCES = [Path(__file__).with_name(f) for f in ("cpu_quant.cpp", "cpu_layers.cpp")]
+_SOURCES = [Path(__file__).with_name(f) for f in ("cpu_quant.cpp", "cpu_layers.cpp", "cpu_decode.cpp")]
 log = logging.getLogger(__name__)
 
 
@@ -76,8 +76,12 @@ def available() -> bool:
     return _built
 
 
-# ROSECHAT_CPU_LAYERS=torch keeps the small layers on ATen (to compare; tests flip it too)
-fused_layers = os.environ.get("ROSECHAT_CPU_LAYERS") != "torch"
+# ROSECHAT_CPU_LAYERS (to compare; tests flip the flags): "layers" (default) runs a decode step's
+# Llama layers one call each where they qualify, "ops" the fused small layers from the Python
+# modules, "torch" ATen's ops only
+_LAYERS = os.environ.get("ROSECHAT_CPU_LAYERS", "layers")
+fused_layers = _LAYERS != "torch"
+whole_layers = _LAYERS == "layers"
 
 
 def use_fused(t: Tensor) -> bool:
@@ -159,3 +163,14 @@ def decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, slots: Tensor, c
     """q [n, Hq, D] against the first counts[i] of slots [n, L] in k_rows / v_rows [S, Hkv * D]:
     (out [n, Hq, D], log-sum-exp of the scaled scores [n, Hq])."""
     return torch.ops.rosechat_layers.decode_attention(q, k_rows, v_rows, slots, counts, scale)
+
+
+def llama_decode_layer(x: Tensor, residual: Tensor, weights: list[Tensor], eps: float, cos: Tensor, sin: Tensor,
+                       k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, att_slots: Tensor,
+                       att_counts: Tensor, scale: float, num_heads: int, num_kv_heads: int) -> Tensor:
+    """One Llama layer of a decode-only step (cpu_decode.cpp): residual += x, then norm, attention,
+    norm, MLP; returns the MLP's output. weights: the two norms, then (qs, d, m) of qkv, o, gate_up
+    and down."""
+    return torch.ops.rosechat_decode.llama_decode_layer(x, residual, weights, eps, cos, sin, k_cache, v_cache,
+                                                        slot_mapping, att_slots, att_counts, scale, num_heads,
+                                                        num_kv_heads)

@@ -146,12 +146,13 @@ def paged_decode_attention(
         plan = plan_decode(block_tables, context_lens, bs, Hkv * D, q.dtype, shared_prefixes)
     # 2-D rows: index_select copies whole rows then (several times faster than on the 3-D view)
     k_rows, v_rows = k_cache.view(-1, Hkv * D), v_cache.view(-1, Hkv * D)
-    fused = cpu_ops.use_fused(q) and q.is_contiguous()
+    fused = cpu_ops.use_fused(q)
     out = lse = None
     for c in plan.chunks:
         qc = q if c.seqs is None else q.index_select(0, c.seqs)
         if fused:  # reads the keys in place through the slots: no gathered copy, no mask
-            o, lse_c = cpu_ops.decode_attention(qc, k_rows, v_rows, c.slots.view(c.n, c.L), c.counts, scale)
+            o, lse_c = cpu_ops.decode_attention(qc.contiguous(), k_rows, v_rows, c.slots.view(c.n, c.L), c.counts,
+                                                scale)
         else:
             k = k_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)
             v = v_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)

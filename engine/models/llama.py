@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from engine.attention import Attention, AttentionMetadata
@@ -23,6 +24,8 @@ from engine.models.layers import (
     rotate_qk,
     silu_and_mul,
 )
+from engine.packed_weights import BlockWeight
+from kernels import cpu_ops
 
 
 class LlamaAttentionBlock(nn.Module):
@@ -91,6 +94,20 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def decode_weights(self) -> list[Tensor] | None:
+        """The tensors cpu_ops.llama_decode_layer takes for this layer: fp32 norms and packed
+        block weights (ours), no biases, no q/k norms, SiLU; None when the layer has anything else."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        if (attn.q_norm is not None or mlp.act is not None or norms[0].eps != norms[1].eps
+                or any(n.weight.dtype != torch.float32 for n in norms)
+                or any(not isinstance(m.weight, BlockWeight) or m.bias is not None for m in linears)):
+            return None
+        empty = torch.empty(0)
+        return [n.weight.detach() for n in norms] + [
+            t for m in linears for t in (m.weight.qs, m.weight.d, getattr(m.weight, "m", empty))]
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
@@ -106,9 +123,34 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)  # shared by all layers
+        gather = None
+        if cpu_ops.whole_layers and meta.backend is not None and cpu_ops.use_fused(x):
+            gather = meta.backend.one_gather(meta)
+        if gather is not None and (weights := self._decode_weights()) is not None:
+            return self._decode(x, rope, meta, gather, weights)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, meta)
+        return self.norm(x, residual)[0]
+
+    def _decode_weights(self) -> list[list[Tensor]] | None:
+        """Every layer's decode_weights, once (packed weights are final after loading); None if a
+        layer has none."""
+        if not hasattr(self, "_decode_weights_cache"):
+            weights = [layer.decode_weights() for layer in self.layers]
+            self._decode_weights_cache = None if any(w is None for w in weights) else weights
+        return self._decode_weights_cache
+
+    def _decode(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata,
+                gather: tuple[Tensor, Tensor], weights: list[list[Tensor]]) -> Tensor:
+        """A decode-only CPU step, one call per layer (cpu_decode.cpp): the same kernels as the
+        module path, without its Python. The first layer's residual add is onto zeros."""
+        residual = torch.zeros_like(x)
+        for layer, w in zip(self.layers, weights):
+            attn = layer.self_attn.attn
+            k_cache, v_cache = meta.backend.layers[attn.layer_idx]
+            x = cpu_ops.llama_decode_layer(x, residual, w, layer.input_layernorm.eps, *rope, k_cache, v_cache,
+                                           meta.slot_mapping, *gather, attn.scale, attn.num_heads, attn.num_kv_heads)
         return self.norm(x, residual)[0]
 
 

@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 
 @dataclass
@@ -67,23 +66,11 @@ class ModelCost:
 
 
 def model_cost(loaded: Any, dtype: torch.dtype) -> ModelCost:
-    from engine.packed_weights import PackedWeight
-    from engine.quant import PackedEmbedding, PackedLinear
+    from engine import matmul_weight_cost
 
     model, config = loaded.model, loaded.config
     itemsize = torch.empty((), dtype=dtype).element_size()
-
-    def cost(weight: Any) -> tuple[int, int]:  # (params, bytes): packed weights stream their packed bytes
-        if isinstance(weight, PackedWeight):
-            return weight.numel(), weight.nbytes()
-        return weight.numel(), weight.numel() * itemsize
-
-    # every linear (dense or packed), and a tied head: the embedding matrix
-    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)]
-    if getattr(model, "lm_head", None) is None:
-        weights.append(next(m.weight for m in model.modules() if isinstance(m, nn.Embedding | PackedEmbedding)
-                            and m.weight.shape[0] == config.vocab_size))
-    params, nbytes = (sum(c) for c in zip(*map(cost, weights)))
+    params, nbytes = matmul_weight_cost(model, config.vocab_size, itemsize)
     heads = config.num_attention_heads
     return ModelCost(
         matmul_params=params,

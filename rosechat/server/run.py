@@ -38,7 +38,10 @@ class BackgroundServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, grace: float | None = None) -> None:
+        """Shut down; open streams get `grace` seconds (default the config's) before they are cut."""
+        if grace is not None:
+            self.server.config.timeout_graceful_shutdown = grace
         self.server.should_exit = True
         self.thread.join(timeout)
 

@@ -130,3 +130,40 @@ def test_the_model_gives_the_same_logits_with_and_without_the_fused_layers(tmp_p
     aten_tokens, aten_logits = run()
     assert fused_tokens == aten_tokens
     assert (fused_logits - aten_logits).abs().max().item() < 1e-4 * fused_logits.abs().max().item()
+
+
+def test_a_decode_step_one_call_per_layer_equals_the_module_path_bit_for_bit(tmp_path, monkeypatch) -> None:
+    """cpu_decode.cpp runs the module path's kernels in its order: the logits of every step are equal,
+    and it serves the decode-only steps without shared prefixes (the others take the modules)."""
+    from engine import EngineConfig, LLMEngine, SamplingParams, load_model
+    from tests.gguf_helpers import write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", qtype="Q4_0", embed_qtype="Q8_0")  # q4 layers, a q8 tied head
+    loaded = load_model(path, quantization="auto")
+    calls = []
+    layer_op = cpu_ops.llama_decode_layer
+    monkeypatch.setattr(cpu_ops, "llama_decode_layer", lambda *a: calls.append(1) or layer_op(*a))
+
+    def run(prompts: list[list[int]], n: int = 1) -> tuple[list[torch.Tensor], list[list[int]]]:
+        logits = []
+        engine = LLMEngine(loaded, EngineConfig(model="tiny", block_size=4, num_blocks=64))
+        compute = type(loaded.model).compute_logits
+        monkeypatch.setattr(loaded.model, "compute_logits", lambda h: logits.append(compute(loaded.model, h)) or
+                            logits[-1])
+        outs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, n=n))
+        return logits, [list(o.outputs[0].token_ids) for o in outs]
+
+    for prompts in ([list(range(3, 14))], [list(range(3, 14)), list(range(20, 31))]):
+        calls.clear()
+        one_call = run(prompts)
+        assert len(calls) == 5 * loaded.num_layers  # every decode step (the first token comes from the prefill)
+        monkeypatch.setattr(cpu_ops, "whole_layers", False)
+        modules = run(prompts)
+        monkeypatch.setattr(cpu_ops, "whole_layers", True)
+        assert one_call[1] == modules[1]
+        assert all(torch.equal(a, b) for a, b in zip(one_call[0], modules[0], strict=True))
+
+    calls.clear()
+    run([list(range(3, 135))], n=3)  # three samples decode over the prompt's 33 shared blocks
+    assert not calls  # cascade attention over a shared prefix: the module path
