@@ -259,14 +259,28 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
         float total = hsum(acc);
         for (; j < len; ++j) total += (s[j] = exp1(s[j] - top));
         float* o = op + (i * Hq + h * G + g) * D;
-        std::fill_n(o, D, 0.0f);
         const float inv = 1.0f / total;
-        for (int64_t jj = 0; jj < len; ++jj) {
-          const float* val = vp + seq_slots[jj] * Hkv * D + h * D;
-          const __m256 w = _mm256_set1_ps(s[jj] * inv);
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(val + d), _mm256_loadu_ps(o + d)));
-          for (; d < D; ++d) o[d] += s[jj] * inv * val[d];
+        int64_t d = 0;
+        for (; d + 64 <= D; d += 64) {  // 64 columns of the output stay in registers across the keys
+          __m256 acc[8];
+          for (auto& a : acc) a = _mm256_setzero_ps();
+          for (int64_t jj = 0; jj < len; ++jj) {
+            const float* val = vp + seq_slots[jj] * Hkv * D + h * D + d;
+            const __m256 w = _mm256_set1_ps(s[jj] * inv);
+            for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(val + 8 * c), acc[c]);
+          }
+          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + d + 8 * c, acc[c]);
+        }
+        if (d < D) {  // head sizes that are not a multiple of 64
+          std::fill(o + d, o + D, 0.0f);
+          for (int64_t jj = 0; jj < len; ++jj) {
+            const float* val = vp + seq_slots[jj] * Hkv * D + h * D;
+            const __m256 w = _mm256_set1_ps(s[jj] * inv);
+            int64_t e = d;
+            for (; e + 8 <= D; e += 8)
+              _mm256_storeu_ps(o + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(val + e), _mm256_loadu_ps(o + e)));
+            for (; e < D; ++e) o[e] += s[jj] * inv * val[e];
+          }
         }
         lp[i * Hq + h * G + g] = top + std::log(total);
       }
