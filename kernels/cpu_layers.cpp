@@ -51,18 +51,18 @@ inline float exp1(float x) {  // the same polynomial as exp8, for tails
   return lanes[0];
 }
 
-inline float sum_squares(const float* x, int64_t n) {
+inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   float s = hsum(acc);
-  for (; i < n; ++i) s += x[i] * x[i];
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
 // out = x / rms(x) * w, one row
 inline void norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
-  const float inv = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  const float inv = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
   const __m256 vinv = _mm256_set1_ps(inv);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -195,15 +195,6 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     std::copy_n(k.data_ptr<float>() + t * k.stride(0), row, k_cache.data_ptr<float>() + s * row);
     std::copy_n(v.data_ptr<float>() + t * v.stride(0), row, v_cache.data_ptr<float>() + s * row);
   }
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 // One query per sequence against the keys at its slots: q [n, Hq, D]; k_rows, v_rows [S, Hkv * D];
