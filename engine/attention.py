@@ -4,6 +4,7 @@ builder + forward), the per-step metadata, and a weightless Attention layer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +29,17 @@ class AttentionMetadata:
     decode_plan: DecodePlan | None = None
 
 
+class DecodeGather(NamedTuple):
+    """A decode step's keys as cpu_ops.llama_decode_layer reads them: each sequence's own slots and
+    counts, then per shared prefix its member rows (empty: all), blocks and first block (-1: scattered)."""
+
+    slots: Tensor  # [T, L] int64
+    counts: Tensor  # [T] int64
+    prefix_seqs: list[Tensor]
+    prefix_blocks: list[Tensor]
+    prefix_first: list[int]
+
+
 class AttentionBackend:
     """The paged attention of one KV pool, built once: the kernels chosen at start-up and the
     pool's per-layer caches, passed explicitly to every kernel call (never stored on modules)."""
@@ -40,15 +52,18 @@ class AttentionBackend:
     def metadata(self, **fields) -> AttentionMetadata:
         return AttentionMetadata(backend=self, **fields)
 
-    def one_gather(self, meta: AttentionMetadata) -> tuple[Tensor, Tensor] | None:
-        """(slots [T, L], own keys [T]) when every token of the step is a decode the CPU kernel
-        attends in one chunk with no shared prefix (what a whole-layer decode op takes), else None."""
+    def decode_gather(self, meta: AttentionMetadata) -> DecodeGather | None:
+        """The step's gather plan as a whole-layer decode op takes it, when every token of the step is
+        a decode the CPU kernel attends in one chunk (else None)."""
         plan = meta.decode_plan
-        if (plan is None or self.kernels == "triton" or plan.prefixes or plan.too_long or len(plan.chunks) != 1
-                or meta.num_decode_tokens != meta.slot_mapping.shape[0]):
+        if (plan is None or self.kernels == "triton" or plan.too_long or len(plan.chunks) != 1
+                or meta.num_decode_tokens != meta.slot_mapping.shape[0] or plan.chunks[0].seqs is not None):
             return None
-        chunk = plan.chunks[0]
-        return (chunk.slots.view(chunk.n, chunk.L), chunk.counts) if chunk.seqs is None else None
+        chunk, empty = plan.chunks[0], torch.empty(0, dtype=torch.long)
+        return DecodeGather(chunk.slots.view(chunk.n, chunk.L), chunk.counts,
+                            [empty if p.seqs is None else p.seqs for p in plan.prefixes],
+                            [p.blocks for p in plan.prefixes],
+                            [-1 if p.first_block is None else p.first_block for p in plan.prefixes])
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, meta: AttentionMetadata) -> Tensor:
         """Write this step's K/V into their slots, then attend: decodes first, then prefills."""

@@ -2,7 +2,8 @@
 // calls (cpu_quant.cpp's packed linears, cpu_layers.cpp's fused small layers), in the same order on
 // the same tensors, so the result is the Python path's bit for bit. What it saves is Python: at one
 // sequence the layer's ~25 module calls and op dispatches from Python cost as much as its math.
-// The CUDA path has CUDA graphs for that; this is the CPU's counterpart. The ops are called through
+// The CUDA path has CUDA graphs for that; this is the CPU's counterpart. Shared prefixes (a system
+// prompt, a forked chat) take the cascade attention of kernels/torch_decode.py, op for op. The ops are called through
 // the dispatcher (a fraction of a microsecond each from C++).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,25 +26,66 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   return qs.scalar_type() == at::kByte ? q4.call(x, qs, d, m) : q8.call(x, qs, d);
 }
 
+using Attention = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                      const at::Tensor&, const at::Tensor&, double);
+
+// The step's decode attention as kernels/torch_decode.py runs it, op for op: each sequence's own keys
+// through the slots, then every shared prefix attended once for all its sequences (cascade) and merged
+// with their own part through the two log-sum-exps. A prefix: its member rows (empty: every row), its
+// blocks, and its first block when they are consecutive in the pool (read in place), else -1.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                  const at::Tensor& counts, double scale, at::TensorList prefix_seqs, at::TensorList prefix_blocks,
+                  at::IntArrayRef prefix_first) {
+  static const auto own = op<Attention>("rosechat_layers::decode_attention");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv;
+  auto [out, lse] = own.call(q, k_cache.view({-1, Hkv * D}), v_cache.view({-1, Hkv * D}), slots, counts, scale);
+  for (size_t i = 0; i < prefix_seqs.size(); ++i) {
+    const at::Tensor& seqs = prefix_seqs[i];
+    const at::Tensor& blocks = prefix_blocks[i];
+    const bool all = seqs.numel() == 0;
+    const int64_t keys = blocks.numel() * bs, m = all ? T : seqs.numel();
+    const auto read = [&](const at::Tensor& cache) {
+      const at::Tensor kv = prefix_first[i] >= 0 ? cache.narrow(0, prefix_first[i], blocks.numel())
+                                                 : cache.index_select(0, blocks);
+      return kv.view({1, keys, Hkv, D}).transpose(1, 2);
+    };
+    const at::Tensor qp = all ? q : q.index_select(0, seqs);
+    auto [op, lse_p] = at::_scaled_dot_product_flash_attention_for_cpu(
+        qp.view({m, Hkv, G, D}).transpose(0, 1).reshape({1, Hkv, m * G, D}), read(k_cache), read(v_cache), 0.0,
+        false, c10::nullopt, scale);
+    op = op.view({Hkv, m, G, D}).transpose(0, 1).reshape({m, Hq, D});
+    lse_p = lse_p.view({Hkv, m, G}).transpose(0, 1).reshape({m, Hq});
+    const at::Tensor o_s = all ? out : out.index_select(0, seqs), lse_s = all ? lse : lse.index_select(0, seqs);
+    const at::Tensor total = at::logaddexp(lse_p, lse_s);
+    at::Tensor merged = op.mul_((lse_p - total).exp_().unsqueeze(-1)).add_(o_s * (lse_s - total).exp_().unsqueeze(-1));
+    if (all)
+      out = merged;
+    else
+      out.index_copy_(0, seqs, merged);
+  }
+  return out;
+}
+
 // weights: input norm, post-attention norm, then (qs, d, m) of qkv, o, gate_up and down (14 tensors).
 // x [T, H]: the last layer's output; residual [T, H]: the stream before it (both updated in place:
 // the residual takes x, x is normed). Returns the layer's output, not yet added to the residual.
-// Every token is a decode; att_slots [T, L] / att_counts [T] are the step's gather plan.
+// Every token is a decode; att_slots [T, L] / att_counts [T] and the prefixes are the step's gather plan.
 at::Tensor llama_decode_layer(at::Tensor& x, at::Tensor& residual, at::TensorList w, double eps,
                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& att_slots,
-                              const at::Tensor& att_counts, double scale, int64_t num_heads, int64_t num_kv_heads) {
+                              const at::Tensor& att_counts, at::TensorList prefix_seqs, at::TensorList prefix_blocks,
+                              at::IntArrayRef prefix_first, double scale, int64_t num_heads, int64_t num_kv_heads) {
   static const auto add_rms_norm = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>(
       "rosechat_layers::add_rms_norm_");
   static const auto rotary = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&)>(
       "rosechat_layers::rotary_");
   static const auto write_kv = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                        const at::Tensor&)>("rosechat_layers::write_kv");
-  static const auto attention = op<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
-      "rosechat_layers::decode_attention");
   static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("rosechat_layers::silu_mul");
   TORCH_CHECK(w.size() == 14, "llama_decode_layer takes 14 weight tensors, got ", w.size());
+  TORCH_CHECK(prefix_seqs.size() == prefix_blocks.size() && prefix_blocks.size() == prefix_first.size(),
+              "one member list, block list and first block per shared prefix");
 
   const int64_t T = x.size(0), D = k_cache.size(-1), q_size = num_heads * D, kv_size = num_kv_heads * D;
   add_rms_norm.call(x, residual, w[0], eps);
@@ -53,9 +95,9 @@ at::Tensor llama_decode_layer(at::Tensor& x, at::Tensor& residual, at::TensorLis
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
   rotary.call(q, k, cos, sin);
   write_kv.call(k, v, k_cache, v_cache, slot_mapping);
-  const auto attended = attention.call(q.contiguous(), k_cache.view({-1, kv_size}), v_cache.view({-1, kv_size}),
-                                       att_slots, att_counts, scale);
-  at::Tensor o = linear(std::get<0>(attended).view({T, q_size}), w[5], w[6], w[7]);
+  const at::Tensor attended = attend(q.contiguous(), k_cache, v_cache, att_slots, att_counts, scale, prefix_seqs,
+                                     prefix_blocks, prefix_first);
+  at::Tensor o = linear(attended.view({T, q_size}), w[5], w[6], w[7]);
   add_rms_norm.call(o, residual, w[1], eps);
   return linear(silu_mul.call(linear(o, w[8], w[9], w[10])), w[11], w[12], w[13]);
 }
@@ -65,5 +107,6 @@ at::Tensor llama_decode_layer(at::Tensor& x, at::Tensor& residual, at::TensorLis
 TORCH_LIBRARY(rosechat_decode, lib) {
   lib.def("llama_decode_layer(Tensor(a!) x, Tensor(b!) residual, Tensor[] weights, float eps, Tensor cos, "
           "Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, Tensor att_slots, "
-          "Tensor att_counts, float scale, int num_heads, int num_kv_heads) -> Tensor", &llama_decode_layer);
+          "Tensor att_counts, Tensor[] prefix_seqs, Tensor[] prefix_blocks, int[] prefix_first, float scale, "
+          "int num_heads, int num_kv_heads) -> Tensor", &llama_decode_layer);
 }

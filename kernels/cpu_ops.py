@@ -167,10 +167,12 @@ def decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, slots: Tensor, c
 
 def llama_decode_layer(x: Tensor, residual: Tensor, weights: list[Tensor], eps: float, cos: Tensor, sin: Tensor,
                        k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, att_slots: Tensor,
-                       att_counts: Tensor, scale: float, num_heads: int, num_kv_heads: int) -> Tensor:
+                       att_counts: Tensor, prefix_seqs: list[Tensor], prefix_blocks: list[Tensor],
+                       prefix_first: list[int], scale: float, num_heads: int, num_kv_heads: int) -> Tensor:
     """One Llama layer of a decode-only step (cpu_decode.cpp): residual += x, then norm, attention,
     norm, MLP; returns the MLP's output. weights: the two norms, then (qs, d, m) of qkv, o, gate_up
-    and down."""
+    and down. Attention: each sequence's own keys (att_slots [T, L], att_counts [T]), then each shared
+    prefix (members, empty = all; its blocks; its first block if consecutive, else -1) for all its members."""
     return torch.ops.rosechat_decode.llama_decode_layer(x, residual, weights, eps, cos, sin, k_cache, v_cache,
-                                                        slot_mapping, att_slots, att_counts, scale, num_heads,
-                                                        num_kv_heads)
+                                                        slot_mapping, att_slots, att_counts, prefix_seqs,
+                                                        prefix_blocks, prefix_first, scale, num_heads, num_kv_heads)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.attention import Attention, AttentionMetadata
+from engine.attention import Attention, AttentionMetadata, DecodeGather
 from engine.models.layers import (
     Linear,
     MergedLinear,
@@ -125,7 +125,7 @@ class LlamaModel(nn.Module):
         rope = self.rotary(positions, x.dtype)  # shared by all layers
         gather = None
         if cpu_ops.whole_layers and meta.backend is not None and cpu_ops.use_fused(x):
-            gather = meta.backend.one_gather(meta)
+            gather = meta.backend.decode_gather(meta)
         if gather is not None and (weights := self._decode_weights()) is not None:
             return self._decode(x, rope, meta, gather, weights)
         residual = None
@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
         return self._decode_weights_cache
 
     def _decode(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata,
-                gather: tuple[Tensor, Tensor], weights: list[list[Tensor]]) -> Tensor:
+                gather: DecodeGather, weights: list[list[Tensor]]) -> Tensor:
         """A decode-only CPU step, one call per layer (cpu_decode.cpp): the same kernels as the
         module path, without its Python. The first layer's residual add is onto zeros."""
         residual = torch.zeros_like(x)

@@ -191,6 +191,13 @@ def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: 
             "streams": int(streams), "threads": int(threads), **result}
 
 
+def _stream_prompts(ids: list[int], n: int, vocab: int) -> list[list[int]]:
+    """n prompts that differ from the warm-up's and each other's from their first token: both systems
+    reuse a cached prefix (our prefix cache by whole blocks, llama-cpp-python's generate() by tokens
+    even with reset=True), which would turn the prefill figure into a one-token one."""
+    return [[(ids[0] + i + 1) % vocab, *ids[1:]] for i in range(n)]
+
+
 def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_streams: int) -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams, load_model, packed_bytes
 
@@ -207,8 +214,8 @@ def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_str
                                             num_blocks=n_streams * (-(-(n_prompt + n_new) // 16) + 1) + 4))
     params = SamplingParams(max_tokens=n_new, ignore_eos=True)
     engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    for i in range(n_streams):
-        engine.add_request([*ids[:-1], (ids[-1] + i) % len(loaded.tokenizer)], params)  # no shared last block
+    for prompt in _stream_prompts(ids, n_streams, len(loaded.tokenizer)):
+        engine.add_request(prompt, params)
     t0 = time.perf_counter()
     first = None
     done = 0
@@ -239,8 +246,7 @@ def _llama_cpp(source, mode: str, threads: int, ids: list[int], n_new: int, n_st
     after = _status()
     list(zip(range(4), llm.generate(ids, temp=0.0, top_k=1, reset=True)))  # warm-up
     prefill_s = decode_s = 0.0
-    for i in range(n_streams):
-        prompt = [*ids[:-1], (ids[-1] + i) % llm.n_vocab()]
+    for prompt in _stream_prompts(ids, n_streams, llm.n_vocab()):
         t0 = time.perf_counter()
         first = None
         for n, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True), start=1):

@@ -134,36 +134,57 @@ def test_the_model_gives_the_same_logits_with_and_without_the_fused_layers(tmp_p
 
 def test_a_decode_step_one_call_per_layer_equals_the_module_path_bit_for_bit(tmp_path, monkeypatch) -> None:
     """cpu_decode.cpp runs the module path's kernels in its order: the logits of every step are equal,
-    and it serves the decode-only steps without shared prefixes (the others take the modules)."""
-    from engine import EngineConfig, LLMEngine, SamplingParams, load_model
+    with or without shared prefixes, and it serves every decode-only step."""
+    from engine import EngineConfig, LLMEngine, SamplingParams, load_model, model_runner
+    from engine.attention import AttentionBackend
     from tests.gguf_helpers import write_gguf
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path, "llama", qtype="Q4_0", embed_qtype="Q8_0")  # q4 layers, a q8 tied head
     loaded = load_model(path, quantization="auto")
+    shared = list(range(3, 135))  # 33 blocks of 4
     calls = []
     layer_op = cpu_ops.llama_decode_layer
     monkeypatch.setattr(cpu_ops, "llama_decode_layer", lambda *a: calls.append(1) or layer_op(*a))
 
     def run(prompts: list[list[int]], n: int = 1) -> tuple[list[torch.Tensor], list[list[int]]]:
         logits = []
-        engine = LLMEngine(loaded, EngineConfig(model="tiny", block_size=4, num_blocks=64))
         compute = type(loaded.model).compute_logits
         monkeypatch.setattr(loaded.model, "compute_logits", lambda h: logits.append(compute(loaded.model, h)) or
                             logits[-1])
+        engine = LLMEngine(loaded, EngineConfig(model="tiny", block_size=4, num_blocks=64))
+        engine.generate([shared], SamplingParams(max_tokens=1))  # its blocks in the prefix cache
+        logits.clear()
         outs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, n=n))
         return logits, [list(o.outputs[0].token_ids) for o in outs]
 
-    for prompts in ([list(range(3, 14))], [list(range(3, 14)), list(range(20, 31))]):
+    gathers = []
+    real_gather = AttentionBackend.decode_gather
+    # scattered: read every prefix through its block list, as when its blocks are not consecutive
+    mode = {"scattered": False}
+
+    def record(self, meta):
+        g = real_gather(self, meta)
+        if g is not None and mode["scattered"]:
+            g = g._replace(prefix_first=[-1] * len(g.prefix_first))
+        gathers.append(g)
+        return g
+
+    monkeypatch.setattr(AttentionBackend, "decode_gather", record)
+    monkeypatch.setattr(model_runner, "MIN_SHARED_KEYS", 64)  # a 33-block prefix shared by two rows qualifies
+    cases = [([list(range(3, 14))], 1, 0), ([list(range(3, 14)), list(range(20, 31))], 1, 0),
+             ([shared], 3, 3),  # three samples over the prompt's blocks: a prefix of every row
+             ([shared + [5, 6], list(range(40, 50)), shared + [7, 8]], 1, 2)]  # cached blocks two rows of three share
+    for (prompts, n, members), scattered in [(case, False) for case in cases] + [(cases[2], True), (cases[3], True)]:
+        mode["scattered"] = scattered
         calls.clear()
-        one_call = run(prompts)
+        gathers.clear()
+        one_call = run(prompts, n)
         assert len(calls) == 5 * loaded.num_layers  # every decode step (the first token comes from the prefill)
+        prefix_rows = {len(p) or len(g.counts) for g in gathers if g is not None for p in g.prefix_seqs}
+        assert prefix_rows == ({members} if members else set())
         monkeypatch.setattr(cpu_ops, "whole_layers", False)
-        modules = run(prompts)
+        modules = run(prompts, n)
         monkeypatch.setattr(cpu_ops, "whole_layers", True)
         assert one_call[1] == modules[1]
         assert all(torch.equal(a, b) for a, b in zip(one_call[0], modules[0], strict=True))
-
-    calls.clear()
-    run([list(range(3, 135))], n=3)  # three samples decode over the prompt's 33 shared blocks
-    assert not calls  # cascade attention over a shared prefix: the module path
