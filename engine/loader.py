@@ -81,7 +81,7 @@ def load_model(
     quantization = quantization or source.quantization
     if quantization not in QUANT_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANT_MODES)}; got {quantization!r}")
-    if quantization == "auto" and (device.type != "cpu" or not quant.kernels_available()):
+    if quantization == "auto" and not quant.kernels_available(device):
         quantization = "none"  # "auto" packs only where there are kernels for it: dequantize elsewhere
     if source.kind == "demo":
         return _load_demo(source.name, dtype, device)
@@ -95,7 +95,7 @@ def load_model(
     if quantization in ("int8", "int4"):  # weight-only quantization at load ("auto": as stored)
         net = build_model(config, dtype, torch.device("meta"))
         _check_packing(net, quantization, device)
-        quant.swap_in_packed(net, {name: quantization for name in _packable(net)}, dtype)
+        quant.swap_in_packed(net, {name: quantization for name in _packable(net)}, dtype, device)
         net = net.to_empty(device=device).requires_grad_(False)
     else:
         net = build_model(config, dtype, device)
@@ -169,7 +169,7 @@ def _plan_packing(
     if gguf.arch == "gpt2" and quantization == "auto":
         return set()
     _check_packing(net, quantization, device)
-    say(f"packed weights: {quant.route()} kernels")  # builds ours on first use (a few seconds, once)
+    say(f"packed weights: {quant.route(device)} kernels")  # builds ours on first use (a few seconds, once)
     packable = _packable(net)
     modes: dict[str, str] = {}
     raw: set[str] = set()
@@ -187,14 +187,14 @@ def _plan_packing(
             mode = "int8"
         modes[module] = mode
         raw.add(hf)
-    quant.swap_in_packed(net, modes, dtype)
+    quant.swap_in_packed(net, modes, dtype, device)
     return raw
 
 
 def _check_packing(net: nn.Module, quantization: str, device: torch.device) -> None:
-    if device.type != "cpu" or not quant.kernels_available():
-        raise ValueError(f"quantization {quantization!r} runs on the CPU only (no packed-weight kernels for "
-                         f"{device}): use quantization 'none' or 'auto'")
+    if not quant.kernels_available(device):
+        raise ValueError(f"quantization {quantization!r} needs packed-weight kernels, and there are none for "
+                         f"{device} here ({quant.route(device)}): use quantization 'none' or 'auto'")
     if not hasattr(net, "packed_modules") or type(net).__name__.startswith("GPT2"):
         raise ValueError("packed weights are not supported for GPT-2 models yet: use quantization 'none' or 'auto'")
 

@@ -1,8 +1,9 @@
 """Packed [out, in] matrices that stand where a dense weight stood (engine/quant.py makes them).
 
 Ours (`Q4Weight`, `Q8Weight`): GGUF's blocks of 32, multiplied by kernels/cpu_quant.cpp. torch's
-(`Int4Weight`, `Int8Weight`, the fallback): int4 groups of 32 and int8 per row, multiplied by
-`aten._weight_int4pack_mm_for_cpu` / `aten._weight_int8pack_mm` with bf16 activations.
+(`Int4Weight`, `Int8Weight`, the CPU fallback): int4 groups of 32 and int8 per row, multiplied by
+`aten._weight_int4pack_mm_for_cpu` / `aten._weight_int8pack_mm` with bf16 activations. On CUDA
+(`GPUBlockWeight`): the same blocks of 32 in GGML's byte order, multiplied by kernels/triton_quant.py.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import kernels
 from engine.quant_blocks import GROUP
 from kernels import cpu_ops
 
@@ -180,3 +182,43 @@ class Q8Weight(BlockWeight):
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes
+
+
+class GPUBlockWeight(PackedWeight):
+    """Blocks of 32 on a GPU, multiplied by the Triton kernel (kernels.block_linear) in the
+    activations' dtype: int4 nibbles uint8 [out, in/2] in GGML order with w = q * d + m, or int8
+    [out, in] with w = q * d; d and m float32 [out, in/32] (exact for every Q4/Q8 block type)."""
+
+    def __init__(self, qs: Tensor, d: Tensor, m: Tensor | None, device: torch.device) -> None:
+        self.mode = "int8" if m is None else "int4"
+        self.shape = (qs.shape[0], qs.shape[1] * (1 if m is None else 2))
+        self.qs = qs.contiguous().to(device)
+        self.d = d.float().contiguous().to(device)
+        self.m = None if m is None else m.float().contiguous().to(device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.d.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        out = kernels.block_linear(x.reshape(-1, x.shape[-1]), self.qs, self.d, self.m)
+        out = out.reshape(*x.shape[:-1], self.shape[0])
+        return out if bias is None else out + bias
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        if self.m is None:
+            q = self.qs[ids].view(*ids.shape, -1, GROUP).float()
+            return (q * self.d[ids][..., None]).flatten(-2).to(dtype)
+        nib = self.qs[ids].view(*ids.shape, -1, GROUP // 2)
+        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1).float()  # element j low, j + 16 high
+        return (q * self.d[ids][..., None] + self.m[ids][..., None]).flatten(-2).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
+
+    def dequantize(self) -> Tensor:
+        return self.rows(torch.arange(self.shape[0], device=self.qs.device), torch.float32)

@@ -1,12 +1,14 @@
 """Packed quantized weights: GGUF blocks repacked once at load and multiplied as they are.
 
-Two packed precisions, "int4" and "int8", each with two routes:
+Two packed precisions, "int4" and "int8", each with three routes:
 
 - **Our CPU kernels** (kernels/cpu_quant.cpp, AVX2, built at first use): weights stay in GGUF's own
   blocks of 32, `w = q * d + m` (q4: Q4_0, Q4_1 and Q4_K's sub-blocks exactly) or `w = q * d` (q8:
   Q8_0 exactly; Q5_x, Q6_K and float weights requantized by absmax per block of 32). Activations
-  are quantized per block of 32 to int8 and every block dot product runs on integers, as
-  llama.cpp does; the fp32 activations and results stay fp32 around it.
+  are quantized per block of 32 to int16 and every block dot product runs on integers, as
+  llama.cpp does (with int8); the fp32 activations and results stay fp32 around it.
+- **Our Triton kernel on CUDA** (kernels/triton_quant.py): the same blocks in GGML's byte order,
+  dequantized tile by tile in registers and multiplied in the activations' dtype.
 - **torch's weight-only kernels** where ours cannot be built (no compiler, no AVX2: an ARM Mac):
   int4 groups of 32 (`aten._weight_int4pack_mm_for_cpu`; the Q4 types map exactly, only the scales
   round to bf16) and int8 with one scale per row (`aten._weight_int8pack_mm`; Q8_0 requantized per
@@ -27,7 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from engine.packed_weights import Int4Weight, Int8Weight, PackedWeight, Q4Weight, Q8Weight
+import kernels
+from engine.packed_weights import GPUBlockWeight, Int4Weight, Int8Weight, PackedWeight, Q4Weight, Q8Weight
 from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API lives here)
     GROUP,
     GGUFBlocks,
@@ -43,6 +46,7 @@ from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API l
 from kernels import cpu_ops
 
 MODES = ("auto", "none", "int8", "int4")
+CPU = torch.device("cpu")
 
 # the precision class a file's tensor keeps under quantization="auto"
 _AUTO_CLASS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8",
@@ -55,15 +59,23 @@ def torch_kernels_available() -> bool:
                ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
 
 
-def kernels_available() -> bool:
-    """Some route for packed weights exists on this machine (ours, or torch's as the fallback)."""
+def kernels_available(device: torch.device = CPU) -> bool:
+    """Some route for packed weights on `device`: on CUDA our Triton kernel (compiled there), on the
+    CPU ours or torch's as the fallback."""
+    if route(device) == "triton":
+        return kernels.triton_status() in ("compiled", "interpreted")
     return cpu_ops.available() or torch_kernels_available()
 
 
-def route() -> str:
-    """Which kernels packed weights use here: "rosechat" (kernels/cpu_quant.cpp) where it builds,
-    else "torch". ROSECHAT_QUANT_KERNELS=torch picks torch's (to compare the two)."""
-    if os.environ.get("ROSECHAT_QUANT_KERNELS") == "torch" or not cpu_ops.available():
+def route(device: torch.device = CPU) -> str:
+    """Which kernels packed weights use on `device`: "triton" (kernels/triton_quant.py) on CUDA; on
+    the CPU "rosechat" (kernels/cpu_quant.cpp) where it builds, else "torch".
+    ROSECHAT_QUANT_KERNELS=torch picks torch's on the CPU (to compare), =triton the Triton kernel
+    (tests run it on the CPU under TRITON_INTERPRET)."""
+    forced = os.environ.get("ROSECHAT_QUANT_KERNELS")
+    if device.type == "cuda" or forced == "triton":
+        return "triton"
+    if forced == "torch" or not cpu_ops.available():
         return "torch"
     return "rosechat"
 
@@ -77,22 +89,25 @@ def _dense(source: Tensor | GGUFBlocks) -> Tensor:
     return source.dequantize() if isinstance(source, GGUFBlocks) else source
 
 
-def pack(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool = False) -> PackedWeight:
-    """One [out, in] matrix (dense, or GGUF blocks) packed as `mode` ("int4" or "int8") for our
-    kernels, or torch's where ours are unavailable: exact from the block types that map, anything
-    else through fp32."""
+def pack(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool = False, device: torch.device = CPU,
+         ) -> PackedWeight:  # fmt: skip
+    """One [out, in] matrix (dense, or GGUF blocks) packed as `mode` ("int4" or "int8") on `device`
+    for our kernels, or torch's where ours are unavailable: exact from the block types that map,
+    anything else through fp32."""
     if mode not in ("int4", "int8"):
         raise ValueError(f"cannot pack as {mode!r}: int4 or int8")
+    where = route(device)
+    if where == "torch":
+        return _pack_for_torch(source, mode, keep_rows)
     blocks = source if isinstance(source, GGUFBlocks) else None
-    if route() == "rosechat":
-        if mode == "int4":
-            parts = q4_from_blocks(blocks) if blocks else None
-            if parts is None:
-                q, scale, zero = quantize_int4(_dense(source))
-                parts = nibbles(q), scale, zero - 8 * scale
-            return Q4Weight(*parts)
-        return Q8Weight(*((q8_from_blocks(blocks) if blocks else None) or quantize_q8(_dense(source))))
-    return _pack_for_torch(source, mode, keep_rows)
+    if mode == "int4":
+        parts = q4_from_blocks(blocks) if blocks else None
+        if parts is None:
+            q, scale, zero = quantize_int4(_dense(source))
+            parts = nibbles(q), scale, zero - 8 * scale
+        return Q4Weight(*parts) if where == "rosechat" else GPUBlockWeight(*parts, device)
+    qs, d = (q8_from_blocks(blocks) if blocks else None) or quantize_q8(_dense(source))
+    return Q8Weight(qs, d) if where == "rosechat" else GPUBlockWeight(qs, d, None, device)
 
 
 def _pack_for_torch(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool) -> PackedWeight:
@@ -124,8 +139,10 @@ class PackedLinear(nn.Module):
     """A Linear (or MergedLinear) whose weight is packed. Shards arrive one by one at load
     (`load_shard`); `finish()` packs them once, after which only the packed form is kept."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: Tensor | None, mode: str) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: Tensor | None, mode: str,
+                 device: torch.device = CPU) -> None:  # fmt: skip
         super().__init__()
+        self.device = device  # where finish() puts the packed weight
         self.in_features = in_features
         self.output_sizes = list(output_sizes)
         self.out_features = sum(output_sizes)
@@ -153,7 +170,7 @@ class PackedLinear(nn.Module):
     def finish(self, keep_rows: bool = False) -> None:
         if self.weight is None:
             parts = [self._shards[i] for i in sorted(self._shards)]
-            self.weight = pack(parts[0] if len(parts) == 1 else concat_rows(parts), self.mode, keep_rows)
+            self.weight = pack(parts[0] if len(parts) == 1 else concat_rows(parts), self.mode, keep_rows, self.device)
             self._shards = {}
 
     def forward(self, x: Tensor) -> Tensor:
@@ -167,8 +184,10 @@ class PackedEmbedding(nn.Module):
     """An embedding table kept packed: lookups dequantize only the rows asked for; a tied head
     multiplies by the same packed weight (`linear(hidden, embed.weight)`)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str, dtype: torch.dtype) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str, dtype: torch.dtype,
+                 device: torch.device = CPU) -> None:  # fmt: skip
         super().__init__()
+        self.device = device
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.mode = mode
         self.out_dtype = dtype
@@ -185,7 +204,7 @@ class PackedEmbedding(nn.Module):
 
     def finish(self, keep_rows: bool = True) -> None:
         if self.weight is None:
-            self.weight = pack(self._source, self.mode, keep_rows=True)
+            self.weight = pack(self._source, self.mode, keep_rows=True, device=self.device)
             self._source = None
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -199,9 +218,9 @@ def packed_modules(model: nn.Module) -> dict[str, PackedLinear | PackedEmbedding
     return {name: m for name, m in model.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
 
 
-def swap_in_packed(model: nn.Module, modes: dict[str, str], dtype: torch.dtype) -> None:
+def swap_in_packed(model: nn.Module, modes: dict[str, str], dtype: torch.dtype, device: torch.device = CPU) -> None:
     """Replace the Linear / MergedLinear / Embedding modules named in `modes` (module name ->
-    "int4" | "int8") by packed ones, before any weight is allocated (the model is on meta)."""
+    "int4" | "int8") by packed ones for `device`, before any weight is allocated (the model is on meta)."""
     from engine.models.layers import MergedLinear
 
     for name, mode in modes.items():
@@ -211,12 +230,12 @@ def swap_in_packed(model: nn.Module, modes: dict[str, str], dtype: torch.dtype) 
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, leaf)
         if isinstance(old, nn.Embedding):
-            new: nn.Module = PackedEmbedding(old.num_embeddings, old.embedding_dim, mode, dtype)
+            new: nn.Module = PackedEmbedding(old.num_embeddings, old.embedding_dim, mode, dtype, device)
         elif isinstance(old, nn.Linear):
             if old.in_features % GROUP:
                 continue  # groups of 32 do not fit: stays dense
             sizes = old.output_sizes if isinstance(old, MergedLinear) else [old.out_features]
-            new = PackedLinear(old.in_features, sizes, old.bias, mode)
+            new = PackedLinear(old.in_features, sizes, old.bias, mode, device)
         else:
             raise TypeError(f"{name} is a {type(old).__name__}: only linear layers and embeddings can be packed")
         setattr(parent, leaf, new)
@@ -281,6 +300,7 @@ def matmul_weight_cost(model: nn.Module, vocab_size: int, itemsize: int) -> tupl
 
 __all__ = [
     "GGUFBlocks",
+    "GPUBlockWeight",
     "Int4Weight",
     "Int8Weight",
     "MODES",

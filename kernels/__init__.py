@@ -20,6 +20,7 @@ from kernels.torch_decode import DecodePlan, SharedPrefix, plan_decode
 __all__ = [
     "DecodePlan",
     "SharedPrefix",
+    "block_linear",
     "copy_blocks",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -140,3 +141,11 @@ def copy_blocks(
     else:
         impl = torch_cache.copy_blocks
     impl(k_cache, v_cache, src, dst)
+
+
+def block_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W.T with W packed in blocks of 32 (q4: uint8 nibbles [N, K/2] in GGML order, w = q * d
+    + m; q8: int8 [N, K], w = q * d): the Triton kernel (kernels/triton_quant.py), for CUDA."""
+    from kernels.triton_quant import block_linear as impl
+
+    return impl(x, qs, d, m)

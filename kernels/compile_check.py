@@ -60,7 +60,7 @@ def compile_kernel(kernel, ptr_types: dict[str, str], meta: dict, arch: int) -> 
 
 def variants(quick: bool):
     """(label, kernel, pointer types, meta) for every launch configuration worth checking."""
-    from kernels import triton_cache, triton_decode, triton_prefill
+    from kernels import triton_cache, triton_decode, triton_prefill, triton_quant
 
     idx = {"bt_ptr": "*i32", "ctx_ptr": "*i32", "cu_ptr": "*i32", "part_ptr": "*fp32", "lse_ptr": "*fp32"}
     if quick:
@@ -88,6 +88,16 @@ def variants(quick: bool):
         meta = triton_cache.copy_blocks_meta(16 * 8 * 128)
         types = types | {"src_ptr": "*i64", "dst_ptr": "*i64"}
         yield f"copy_blocks {_TL[dtype]}", triton_cache._copy_blocks_kernel, types, meta
+        if quick:
+            break
+    for dtype in DTYPES.values():
+        for rows in (1, 64):
+            meta = triton_quant.block_linear_meta(rows, dtype)
+            for bits, q in ((4, "*u8"), (8, "*i8")):
+                types = {"x_ptr": "*" + _TL[dtype], "out_ptr": "*" + _TL[dtype], "qs_ptr": q, "d_ptr": "*fp32",
+                         "m_ptr": "*fp32"}
+                yield (f"q{bits} linear {_TL[dtype]} M={rows}", triton_quant._block_linear_kernel, types,
+                       meta | {"Q4": bits == 4, "HAS_M": bits == 4})
         if quick:
             break
 

@@ -64,7 +64,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", choices=DTYPES, help="weights and KV cache "
                    "(auto: bfloat16 on CUDA and bf16-capable CPUs, else float32)")
     m.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="weights on the CPU: auto (the default: GGUF tensors packed as the file has them), "
+                   help="packed weights: auto (the default: GGUF tensors packed as the file has them), "
                    "none (dequantized: exact), int8, int4")
     m.add_argument("--device", help='"auto", "cpu", "cuda", "cuda:N"')
     m.add_argument("--backend", choices=BACKENDS, help="paged-attention implementation (auto: triton on CUDA)")

@@ -185,8 +185,20 @@ def route(request, monkeypatch: pytest.MonkeyPatch) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_packed_logits_and_greedy_match_the_dequantized_path(gguf_dir: Path, case, route: str) -> None:
+    _check_packed_against_dense(gguf_dir, case, route)
+
+
+# the Triton kernel of CUDA machines, run here by the interpreter (slow: a few cases)
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[6]], ids=_case_id)
+def test_the_triton_route_matches_the_dequantized_path(gguf_dir: Path, case, monkeypatch) -> None:
+    monkeypatch.setenv("ROSECHAT_QUANT_KERNELS", "triton")
+    _check_packed_against_dense(gguf_dir, case, "triton")
+    assert quant.route(torch.device("cuda")) == "triton"
+
+
+def _check_packed_against_dense(gguf_dir: Path, case, route: str) -> None:
     mtype, embed, tied, mode, bound = case
-    if route == "rosechat":  # weights kept exactly, int16 activations: far tighter than bf16's
+    if route != "torch":  # weights kept exactly (and int16 activations on ours): far tighter than bf16's
         bound /= 10
     path = gguf_dir / f"{_case_id(case)}-{route}.gguf"
     _, tok = write_gguf(path, "llama", qtype=mtype, embed_qtype=embed, tie=tied, **(K_SHAPE if "K" in mtype else {}))
@@ -194,6 +206,8 @@ def test_packed_logits_and_greedy_match_the_dequantized_path(gguf_dir: Path, cas
     packed = load_model(str(path), quantization=mode)
     assert quant.route() == route
     linears = [m for m in packed.model.modules() if isinstance(m, PackedLinear)]
+    kinds = {"rosechat": {"Q4Weight", "Q8Weight"}, "torch": {"Int4Weight", "Int8Weight"}, "triton": {"GPUBlockWeight"}}
+    assert {type(m.weight).__name__ for m in linears} <= kinds[route]
     assert len(linears) == 4 * 2 + (0 if tied else 1)  # qkv, o, gate_up, down per layer (+ head)
     assert isinstance(packed.model.model.embed_tokens, PackedEmbedding) == tied
     # no dense copy of a packed weight is kept
