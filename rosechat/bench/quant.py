@@ -214,6 +214,7 @@ def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_str
                                             num_blocks=n_streams * (-(-(n_prompt + n_new) // 16) + 1) + 4))
     params = SamplingParams(max_tokens=n_new, ignore_eos=True)
     engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    prefilled = engine.prefill_tokens
     for prompt in _stream_prompts(ids, n_streams, len(loaded.tokenizer)):
         engine.add_request(prompt, params)
     t0 = time.perf_counter()
@@ -231,6 +232,7 @@ def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_str
         "rss_before": before, "rss_after": after,
         "prefill_tok_s": round(n_streams * n_prompt / (first - t0), 1),
         "decode_tok_s": round(n_streams * (n_new - 1) / (end - first), 1),
+        "prefilled_tokens": engine.prefill_tokens - prefilled,  # all of them: nothing came from the cache
     }
 
 

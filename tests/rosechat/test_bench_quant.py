@@ -30,14 +30,16 @@ def test_decode_runs_each_quantization_in_its_own_process(tmp_path: Path) -> Non
 
     path = tmp_path / "tiny-q4.gguf"
     write_gguf(path, "llama", qtype="Q4_0")
-    results = quant.run_decode(str(path), ["none", "auto", "auto/torch"], threads=1, prompt_tokens=8, new_tokens=6,
-                               streams=[1])
+    results = quant.run_decode(str(path), ["none", "auto", "auto/torch"], threads=1, prompt_tokens=40, new_tokens=6,
+                               streams=[2])
     none, auto, auto_torch = results
     assert none["packed_bytes"] == 0 and auto["packed_bytes"] > 0
     # torch's int4 format keeps bf16 scale + zero per group, ours fp32 d + m: the routes differ
     assert 0 < auto_torch["packed_bytes"] < auto["packed_bytes"]
     assert auto["dense_bytes"] < none["dense_bytes"]
     assert none["decode_tok_s"] > 0 and auto["decode_tok_s"] > 0
+    # the prefill figure times whole prompts: none of their 16-token blocks came from the prefix cache
+    assert auto["prefilled_tokens"] == 2 * 40
     assert "auto" in quant.render_decode(results)
 
 
