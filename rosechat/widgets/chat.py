@@ -19,12 +19,18 @@ from textual.widgets.markdown import MarkdownStream
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 
-# A streaming reply is redrawn at most this often; the text that arrives in between is written in
-# one piece. Each redraw costs the UI thread tens of milliseconds of Python on a small CPU (Textual
-# re-parses the reply's last Markdown block, remounts it, then re-lays out and repaints the screen),
-# and while the UI thread runs, the engine thread waits for the GIL after each of its kernels: at the
-# app's 30 Hz the engine decoded at about a quarter of its speed.
+# A streaming reply is not redrawn for every piece of text the engine sends (30 a second): its
+# text is written to the Markdown in batches, the first at once, then at most every
+# REDRAW_INTERVAL seconds, and less often when redrawing is costly, so that the redraws take about
+# REDRAW_SHARE of the UI thread (its CPU time since the last write / REDRAW_SHARE), but never less
+# often than every REDRAW_MAX seconds. A redraw is tens of milliseconds of Python on a small CPU
+# (Textual re-parses the reply's last block, remounts it, re-lays out and repaints the screen), and
+# while the UI thread runs, the in-process engine waits for the GIL after each of its kernels: on a
+# 2-core machine, redrawing at 30 Hz held SmolLM2-135M to ~28 tokens/s where the engine alone
+# decodes ~90-100.
 REDRAW_INTERVAL = 0.1
+REDRAW_SHARE = 0.25
+REDRAW_MAX = 0.5
 
 
 class ChatInput(TextArea):
@@ -115,8 +121,9 @@ class MessageView(Vertical):
         self.stats: list[ReplyStats] = []  # per alternative, once finished
         self._stream: MarkdownStream | None = None
         self._unwritten = ""  # the shown alternative's text not yet written to the stream
-        self._last_write = -REDRAW_INTERVAL  # time.monotonic() of the last write
-        self._write_timer: Timer | None = None  # writes the rest once REDRAW_INTERVAL has passed
+        self._last_write = float("-inf")  # time.monotonic() of the last write (-inf: none yet)
+        self._last_write_cpu = 0.0  # the UI thread's time.thread_time() then
+        self._write_timer: Timer | None = None  # writes the rest when it is due
         # The tab streams text in while the app may switch the alternative shown (two tasks):
         # each change of what is shown runs whole.
         self._lock = asyncio.Lock()
@@ -152,19 +159,27 @@ class MessageView(Vertical):
             self.texts[index] += text
             if index == self.shown:
                 self._unwritten += text
-                wait = self._last_write + REDRAW_INTERVAL - time.monotonic()
-                if wait <= 0:  # the first text at once; then at most one write per interval
+                if (wait := self._write_due_in()) <= 0:
                     await self._write()
                 elif self._write_timer is None:
                     self._write_timer = self.set_timer(wait, self._write_later, name="reply-redraw")
 
+    def _write_due_in(self) -> float:
+        """Seconds until the next write is due (see REDRAW_INTERVAL)."""
+        busy = time.thread_time() - self._last_write_cpu  # this (the UI) thread's CPU since the last write
+        interval = min(max(REDRAW_INTERVAL, busy / REDRAW_SHARE), REDRAW_MAX)
+        return self._last_write + interval - time.monotonic()
+
     async def _write_later(self) -> None:
         async with self._lock:
             self._write_timer = None
-            await self._write()
+            if (wait := self._write_due_in()) > 0.005:  # the UI was busier than when it was set
+                self._write_timer = self.set_timer(wait, self._write_later, name="reply-redraw")
+            else:
+                await self._write()
 
     async def _write(self) -> None:
-        """Write the text not yet shown to the stream (the lock held)."""
+        """Write the text not yet shown to the Markdown stream (the lock held)."""
         if self._write_timer is not None:
             self._write_timer.stop()
             self._write_timer = None
@@ -172,6 +187,7 @@ class MessageView(Vertical):
             return
         text, self._unwritten = self._unwritten, ""
         self._last_write = time.monotonic()
+        self._last_write_cpu = time.thread_time()
         if self._stream is None:
             self._stream = Markdown.get_stream(self.markdown)
         await self._stream.write(text)
@@ -184,7 +200,7 @@ class MessageView(Vertical):
         elif self._write_timer is not None:
             self._write_timer.stop()
             self._write_timer = None
-        self._unwritten = ""
+        self._unwritten, self._last_write = "", float("-inf")  # a next stream shows its first text at once
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.stop()

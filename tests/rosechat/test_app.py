@@ -829,3 +829,35 @@ async def test_an_alternative_chosen_while_they_stream_is_the_one_kept(tmp_path:
         assert tab.messages[-1].content == view.texts[1] == tab.last_finished.texts[1]
         assert app.history.load(tab.history_id).messages[-1].content == view.texts[1]
         assert "alternative 2/3" in _footer(view)
+
+
+async def test_a_streaming_reply_is_drawn_in_batches_and_whole(tmp_path: Path, monkeypatch) -> None:
+    """Text arriving faster than the reply is redrawn is written to its Markdown in batches: the first
+    piece at once, the rest when the next redraw is due (no need for the reply to finish), then on
+    finishing at once; what is shown is the whole text, in order."""
+    from rosechat.widgets import chat
+
+    monkeypatch.setattr(chat, "REDRAW_INTERVAL", 0.5)  # a burst below lands in one interval, on any CPU
+    monkeypatch.setattr(chat, "REDRAW_MAX", 0.5)
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        view = chat.MessageView("assistant")
+        await app.active_tab.log_view.mount(view)
+        writes: list[str] = []
+        append = view.markdown.append
+        monkeypatch.setattr(view.markdown, "append", lambda text: writes.append(text) or append(text))
+        pieces = ["Here", " are", " **three**", " tips:\n\n", "1. Read", " the", " docs.\n", "2. Write", " code."]
+        for piece in pieces:
+            await view.add_delta(0, piece)
+        await wait_for(pilot, lambda: writes, "the first piece")
+        assert writes == ["Here"]  # at once, and the rest of the burst waits for the next redraw
+        whole = "".join(pieces)
+        await wait_for(pilot, lambda: view.markdown.source == whole, "the rest, without a Finished")
+        assert writes == ["Here", whole[4:]]
+
+        more = ["\n3. Ask", " questions."]
+        for piece in more:
+            await view.add_delta(0, piece)
+        await view.set_texts([whole + "".join(more)])  # finished: shown whole at once
+        assert view.markdown.source == view.text == whole + "".join(more)
+        assert writes[2:] == ["".join(more)]
