@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 import kernels
-from engine.quant_blocks import GROUP
+from engine.quant_blocks import GROUP, ggml_nibbles
 from kernels import cpu_ops
 
 COMPUTE_DTYPE = torch.bfloat16  # the activations torch's weight-only CPU kernels are fast with
@@ -122,6 +122,15 @@ class Int8Weight(PackedWeight):
         return self.q.float() * self.scale.float()[:, None]
 
 
+def block_rows(q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
+    """fp32 rows of GGML-order blocks of 32: q4 bytes [..., K/2] (byte j of a block: element j low,
+    j + 16 high; w = q * d + m) or q8 int8 [..., K] (w = q * d, m None); d, m [..., K/32]."""
+    if m is None:
+        return (q.view(*q.shape[:-1], -1, GROUP).float() * d[..., None]).flatten(-2)
+    w = ggml_nibbles(q.view(*q.shape[:-1], -1, GROUP // 2)).float()
+    return (w * d[..., None] + m[..., None]).flatten(-2)
+
+
 class BlockWeight(PackedWeight):
     """Blocks of 32 multiplied by kernels/cpu_quant.cpp: float32 in and out, whatever the model's dtype."""
 
@@ -155,9 +164,7 @@ class Q4Weight(BlockWeight):
         return cpu_ops.q4_linear(x, self.qs, self.d, self.m)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        nib = cpu_ops.unpack_q4(self.qs[ids], self.shape[1]).view(*ids.shape, -1, GROUP // 2)  # [*ids, blocks, 16]
-        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1).float()  # element j low, j + 16 high
-        return (q * self.d[ids][..., None] + self.m[ids][..., None]).flatten(-2).to(dtype)
+        return block_rows(cpu_ops.unpack_q4(self.qs[ids], self.shape[1]), self.d[ids], self.m[ids]).to(dtype)
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + self.m.nbytes
@@ -177,8 +184,7 @@ class Q8Weight(BlockWeight):
         return cpu_ops.q8_linear(x, self.qs, self.d)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        q = cpu_ops.unpack_q8(self.qs[ids]).view(*ids.shape, -1, GROUP).float()
-        return (q * self.d[ids][..., None]).flatten(-2).to(dtype)
+        return block_rows(cpu_ops.unpack_q8(self.qs[ids]), self.d[ids], None).to(dtype)
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes
@@ -210,12 +216,7 @@ class GPUBlockWeight(PackedWeight):
         return out if bias is None else out + bias
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        if self.m is None:
-            q = self.qs[ids].view(*ids.shape, -1, GROUP).float()
-            return (q * self.d[ids][..., None]).flatten(-2).to(dtype)
-        nib = self.qs[ids].view(*ids.shape, -1, GROUP // 2)
-        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1).float()  # element j low, j + 16 high
-        return (q * self.d[ids][..., None] + self.m[ids][..., None]).flatten(-2).to(dtype)
+        return block_rows(self.qs[ids], self.d[ids], None if self.m is None else self.m[ids]).to(dtype)
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)

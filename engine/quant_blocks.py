@@ -54,7 +54,7 @@ def _f16(data: Tensor, start: int) -> Tensor:
     return data[..., start : start + 2].contiguous().view(torch.float16)[..., 0].float()
 
 
-def _nibbles(qs: Tensor) -> Tensor:
+def ggml_nibbles(qs: Tensor) -> Tensor:
     """GGML's 4-bit layout: byte j holds element j (low nibble) and element j + 16 (high)."""
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
 
@@ -88,9 +88,9 @@ def int4_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor] | None
     data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // GROUP, -1)  # a writable copy
     d = _f16(data, 0)
     if blocks.type_name == "Q4_0":
-        q, zero = _nibbles(data[..., 2:18]), torch.zeros_like(d)
+        q, zero = ggml_nibbles(data[..., 2:18]), torch.zeros_like(d)
     else:
-        q, zero = _nibbles(data[..., 4:20]), _f16(data, 2) + 8 * d
+        q, zero = ggml_nibbles(data[..., 4:20]), _f16(data, 2) + 8 * d
     return q.reshape(out_f, in_f), d, zero
 
 
