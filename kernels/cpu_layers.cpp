@@ -7,9 +7,10 @@
 // Every row (token, or sequence and KV head) is computed on its own, so results do not depend on
 // the batch. Built with cpu_quant.cpp into one extension (kernels/cpu_ops.py).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+
+#include "cpu_pool.h"
 
 #include <cmath>
 #include <vector>
@@ -84,7 +85,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t n = x.size(1);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) {
+  rosechat::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) norm_row(xp + t * n, wp, static_cast<float>(eps), n, op + t * n);
   });
   return out;
@@ -98,7 +99,7 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
   const int64_t n = x.size(1);
   float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) {
+  rosechat::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       float *xr = xp + t * n, *rr = rp + t * n;
       for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
@@ -112,7 +113,7 @@ void rope_rows(at::Tensor& x, const float* cos, const float* sin, int64_t cs_str
   const int64_t T = x.size(0), H = x.size(1), half = x.size(2) / 2;
   const int64_t st = x.stride(0), sh = x.stride(1);
   float* xp = x.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+  rosechat::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
       for (int64_t h = 0; h < H; ++h) {
@@ -157,7 +158,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({x.size(0), inter}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 4, [&](int64_t b, int64_t e) {
+  rosechat::parallel_for(0, x.size(0), 4, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float *g = xp + t * 2 * inter, *u = g + inter;
       float* o = op + t * inter;
@@ -227,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   const float *qp = q.data_ptr<float>(), *kp = k_rows.data_ptr<float>(), *vp = v_rows.data_ptr<float>();
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
+  rosechat::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / Hkv, h = job % Hkv, len = cp[i];

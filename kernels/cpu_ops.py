@@ -53,11 +53,8 @@ def _build_once() -> str | None:
 
         cpp_extension.load(
             name="rosechat_cpu", sources=[str(f) for f in _SOURCES], is_python_module=False,
-            # -fopenmp: ATen's parallel_for is an OpenMP pragma in its header (serial without it);
-            # the libgomp it links is the one torch has loaded already (same soname); no contraction:
-            # FMAs are written out where wanted, so RoPE's products round as torch's do
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"], verbose=False,
+            # no contraction: FMAs are written out where wanted, so RoPE's products round as torch's do
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"], verbose=False,
         )
     except Exception as exc:  # no compiler, no headers: the caller falls back
         log.warning("cpu kernels unavailable: %s", exc)

@@ -15,12 +15,13 @@
 // and vpmaddwd on 16-bit pairs costs about what the 4-bit unpacking does. Memory traffic is the
 // packed weight itself, a sixth (q4) or a third (q8) of the fp32 matrix.
 //
-// Built at first use by torch.utils.cpp_extension (kernels/cpu_quant.py). Parallel over output rows
-// through ATen's own thread pool, so it honours torch.set_num_threads.
+// Built at first use by torch.utils.cpp_extension (kernels/cpu_ops.py). Parallel over output rows
+// through cpu_pool.h, so it honours torch.set_num_threads.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+
+#include "cpu_pool.h"
 
 #include <algorithm>
 
@@ -76,7 +77,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   int16_t* qp = out.q.data_ptr<int16_t>();
   float *dp = out.d.data_ptr<float>(), *sp = out.s.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  rosechat::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, qp + r * k, dp + r * nb, sp + r * nb);
   });
   return out;
@@ -174,7 +175,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const W& w, int64_t n) {
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
   constexpr int64_t kOutBlock = 16;  // weight rows that stay in cache while every tile of x passes them
-  at::parallel_for(0, n, kOutBlock, [&](int64_t begin, int64_t end) {
+  rosechat::parallel_for(0, n, kOutBlock, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; o += kOutBlock) {
       const int64_t o_end = std::min(end, o + kOutBlock);
       int64_t r0 = 0;

@@ -18,10 +18,13 @@ last-level cache holds; the figure is the min over repeats of the mean per call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -266,11 +269,33 @@ def _llama_cpp(source, mode: str, threads: int, ids: list[int], n_new: int, n_st
     }
 
 
+# A neighbour: another program computing on `threads` cores with torch's defaults (OpenMP threads
+# that spin at their barriers), as a second model, a build or a test run would be.
+_BUSY = """
+import sys, torch
+torch.set_num_threads(int(sys.argv[1]))
+a = torch.randn(512, 512)
+while True:
+    a @ a
+"""
+
+
+@contextlib.contextmanager
+def neighbour(threads: int) -> Iterator[subprocess.Popen | None]:
+    if not threads:
+        yield None
+        return
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}  # rosechat's CLI sets it
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY, str(threads)], env=env)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def run_decode(model: str, modes: list[str], threads: int, prompt_tokens: int, new_tokens: int,
                streams: list[int]) -> list[dict]:
-    import subprocess
-    import sys
-
     results = []
     for n in streams:
         for mode in modes:
@@ -302,7 +327,7 @@ def render_decode(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    argv = list(argv if argv is not None else sys.argv[1:])
     if argv[:1] == ["decode"]:
         return main_decode(argv[1:])
     p = argparse.ArgumentParser(prog="rosechat bench quant", description=__doc__.split("\n\n")[0],
@@ -345,6 +370,8 @@ def main_decode(argv: list[str]) -> int:
     p.add_argument("--prompt-tokens", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--streams", default="1", help="comma-separated numbers of concurrent greedy streams")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="run the systems beside another program busy on N threads (torch matmuls)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     modes = args.quantization.split(",")
@@ -352,13 +379,15 @@ def main_decode(argv: list[str]) -> int:
         if not llama_cpp_available():
             p.error("--llama-cpp: llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
         modes.append(LLAMA_CPP)
-    results = run_decode(args.model, modes, args.threads, args.prompt_tokens,
-                         args.max_tokens, [int(n) for n in args.streams.split(",")])
+    with neighbour(args.busy):
+        results = run_decode(args.model, modes, args.threads, args.prompt_tokens,
+                             args.max_tokens, [int(n) for n in args.streams.split(",")])
     load = os.getloadavg()[0]
     if args.json:
-        print(json.dumps({"model": args.model, "load1": load, "results": results}))
+        print(json.dumps({"model": args.model, "load1": load, "busy": args.busy, "results": results}))
     else:
-        print(f"{args.model}: {args.threads} thread(s), {args.prompt_tokens}-token prompt, {args.max_tokens} new "
+        busy = f" beside a program busy on {args.busy} thread(s)" if args.busy else ""
+        print(f"{args.model}: {args.threads} thread(s){busy}, {args.prompt_tokens}-token prompt, {args.max_tokens} new "
               f"tokens, greedy; load average {load:.2f}. +RSS: resident memory the load adds (+RssAnon: "
               "the weights; the rest is the file's mapped pages)")
         print(render_decode(results))

@@ -3,6 +3,7 @@ tiny shapes and a tiny GGUF file (the figures themselves are measured by hand, n
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,21 @@ def test_llama_cpp_runs_as_a_peer_on_the_same_file() -> None:
     (r,) = results
     assert r["mode"] == "llama.cpp" and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
     assert "llama.cpp seq" in quant.render_decode(results)  # 2 streams run one after another
+
+
+def test_the_busy_neighbour_computes_while_the_runs_go_on_and_is_gone_after() -> None:
+    def cpu_ticks(pid: int) -> int:  # utime + stime of the process, in clock ticks
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    with quant.neighbour(0) as none:
+        assert none is None
+    with quant.neighbour(1) as proc:
+        assert proc is not None
+        deadline = time.monotonic() + 60
+        while cpu_ticks(proc.pid) < 20 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a condition (its CPU time), with a deadline
+        assert proc.poll() is None, "the neighbour died"
+        assert cpu_ticks(proc.pid) >= 20  # 0.2 s of CPU: it computes, it does not sleep
+    assert proc.poll() is not None  # killed and reaped
