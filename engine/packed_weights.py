@@ -158,13 +158,14 @@ class Q4Weight(BlockWeight):
 
     def __init__(self, qs: Tensor, d: Tensor, m: Tensor) -> None:
         self.shape = (qs.shape[0], qs.shape[1] * 2)
-        self.qs, self.d, self.m = cpu_ops.pack_q4(qs), d.float().contiguous(), m.float().contiguous()
+        self.qs, self.d, self.m = cpu_ops.pack_q4(qs), cpu_ops.pack_scales(d), cpu_ops.pack_scales(m)
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q4_linear(x, self.qs, self.d, self.m)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        return block_rows(cpu_ops.unpack_q4(self.qs[ids], self.shape[1]), self.d[ids], self.m[ids]).to(dtype)
+        qs, d = cpu_ops.unpack_q4(self.qs, self.shape[1], ids), cpu_ops.scale_rows(self.d, ids)
+        return block_rows(qs, d, cpu_ops.scale_rows(self.m, ids)).to(dtype)
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + self.m.nbytes
@@ -178,13 +179,13 @@ class Q8Weight(BlockWeight):
 
     def __init__(self, qs: Tensor, d: Tensor) -> None:
         self.shape = tuple(qs.shape)
-        self.qs, self.d = cpu_ops.pack_q8(qs), d.float().contiguous()
+        self.qs, self.d = cpu_ops.pack_q8(qs), cpu_ops.pack_scales(d)
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q8_linear(x, self.qs, self.d)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        return block_rows(cpu_ops.unpack_q8(self.qs[ids]), self.d[ids], None).to(dtype)
+        return block_rows(cpu_ops.unpack_q8(self.qs, ids), cpu_ops.scale_rows(self.d, ids), None).to(dtype)
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes

@@ -12,6 +12,7 @@
 
 #include "cpu_pool.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -59,6 +60,59 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = hsum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// q . key for 8 keys: one accumulator per key (8 independent FMA chains), summed across lanes together
+inline void key_scores(const float* q, const float* const* keys, int64_t D, float* out) {
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  int64_t e = 0;
+  for (; e + 8 <= D; e += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + e);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t] + e), acc[t]);
+  }
+  // a hadd tree leaves lane t holding half of key t's sum in each 128-bit half
+  const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+  for (; e < D; ++e)
+    for (int t = 0; t < 8; ++t) out[t] += q[e] * keys[t][e];
+}
+
+// out[g] = sum_j p[g][j] * value_j for NG query heads sharing a KV head: each value vector is loaded
+// once for all of them (a head's values outgrow L1 past ~100 keys, and L2 then bounds the loop).
+// p: NG rows of len probabilities; value_j at values + slots[j] * stride; out: NG rows of D.
+template <int NG>
+void weigh_values(const float* p, int64_t len, const float* values, const int64_t* slots, int64_t stride,
+                  int64_t D, float* out) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {  // NG x 4 accumulators stay in registers across the keys
+    __m256 acc[NG][4];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm256_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const float* v = values + slots[j] * stride + d;
+      for (int c = 0; c < 4; ++c) {
+        const __m256 vc = _mm256_loadu_ps(v + 8 * c);
+        for (int g = 0; g < NG; ++g) acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * len + j]), vc, acc[g][c]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + g * D + d + 8 * c, acc[g][c]);
+  }
+  for (int g = 0; g < NG && d < D; ++g) {  // head sizes that are not a multiple of 32
+    float* o = out + g * D;
+    std::fill(o + d, o + D, 0.0f);
+    for (int64_t j = 0; j < len; ++j) {
+      const float* v = values + slots[j] * stride;
+      const float w = p[g * len + j];
+      int64_t e = d;
+      for (; e + 8 <= D; e += 8)
+        _mm256_storeu_ps(o + e, _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(v + e), _mm256_loadu_ps(o + e)));
+      for (; e < D; ++e) o[e] += w * v[e];
+    }
+  }
 }
 
 // out = x / rms(x) * w, one row
@@ -234,11 +288,18 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
       const int64_t i = job / Hkv, h = job % Hkv, len = cp[i];
       const int64_t* seq_slots = sp + i * L;
       scores.resize(G * len);
-      for (int64_t j = 0; j < len; ++j) {  // each key read once for the group's G query heads
-        const float* key = kp + seq_slots[j] * Hkv * D + h * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * len + j] = dot(qp + (i * Hq + h * G + g) * D, key, D) * fscale;
+      const float* q_group = qp + (i * Hq + h * G) * D;
+      for (int64_t j0 = 0; j0 < len; j0 += 8) {  // 8 keys at a time, each read once for the G query heads
+        const int m = static_cast<int>(std::min<int64_t>(8, len - j0));
+        const float* keys[8];
+        for (int t = 0; t < 8; ++t) keys[t] = kp + seq_slots[j0 + std::min(t, m - 1)] * Hkv * D + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float block[8];
+          key_scores(q_group + g * D, keys, D, block);
+          for (int t = 0; t < m; ++t) scores[g * len + j0 + t] = block[t] * fscale;
+        }
       }
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = 0; g < G; ++g) {  // softmax: scores become probabilities
         float* s = scores.data() + g * len;
         const float top = *std::max_element(s, s + len);
         __m256 acc = _mm256_setzero_ps();
@@ -250,32 +311,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
         }
         float total = hsum(acc);
         for (; j < len; ++j) total += (s[j] = exp1(s[j] - top));
-        float* o = op + (i * Hq + h * G + g) * D;
         const float inv = 1.0f / total;
-        int64_t d = 0;
-        for (; d + 64 <= D; d += 64) {  // 64 columns of the output stay in registers across the keys
-          __m256 acc[8];
-          for (auto& a : acc) a = _mm256_setzero_ps();
-          for (int64_t jj = 0; jj < len; ++jj) {
-            const float* val = vp + seq_slots[jj] * Hkv * D + h * D + d;
-            const __m256 w = _mm256_set1_ps(s[jj] * inv);
-            for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(val + 8 * c), acc[c]);
-          }
-          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + d + 8 * c, acc[c]);
-        }
-        if (d < D) {  // head sizes that are not a multiple of 64
-          std::fill(o + d, o + D, 0.0f);
-          for (int64_t jj = 0; jj < len; ++jj) {
-            const float* val = vp + seq_slots[jj] * Hkv * D + h * D;
-            const __m256 w = _mm256_set1_ps(s[jj] * inv);
-            int64_t e = d;
-            for (; e + 8 <= D; e += 8)
-              _mm256_storeu_ps(o + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(val + e), _mm256_loadu_ps(o + e)));
-            for (; e < D; ++e) o[e] += s[jj] * inv * val[e];
-          }
-        }
+        for (j = 0; j < len; ++j) s[j] *= inv;
         lp[i * Hq + h * G + g] = top + std::log(total);
       }
+      const float* values = vp + h * D;
+      float* o = op + (i * Hq + h * G) * D;
+      int64_t g = 0;
+      for (; g + 3 <= G; g += 3) weigh_values<3>(scores.data() + g * len, len, values, seq_slots, Hkv * D, D, o + g * D);
+      if (G - g == 2) weigh_values<2>(scores.data() + g * len, len, values, seq_slots, Hkv * D, D, o + g * D);
+      if (G - g == 1) weigh_values<1>(scores.data() + g * len, len, values, seq_slots, Hkv * D, D, o + g * D);
     }
   });
   return {out, lse};

@@ -90,43 +90,87 @@ def unavailable_reason() -> str | None:
     return _build()
 
 
+def interleave_rows(rows: Tensor) -> Tensor:
+    """Rows of 32-byte units [N, U * 32] -> the kernels' groups of 8 rows: a group stores unit u of
+    each of its rows together (the last group holds N % 8 rows if not 8), so the 8 rows a tile
+    multiplies are read as one sequential stream."""
+    n, width = rows.shape
+    full = n // 8 * 8
+    groups = rows[:full].reshape(n // 8, 8, width // 32, 32).transpose(1, 2).reshape(full, width)
+    tail = rows[full:].reshape(n - full, width // 32, 32).transpose(0, 1).reshape(n - full, width)
+    return torch.cat((groups, tail)).contiguous()
+
+
+def grouped_rows(packed: Tensor, ids: Tensor) -> Tensor:
+    """interleave_rows' inverse for rows ids (any shape): [*ids.shape, U * 32]."""
+    n, width = packed.shape
+    full, flat = n // 8 * 8, ids.reshape(-1)
+    out = packed.new_empty(flat.numel(), width)
+    grouped = flat < full
+    sel = flat[grouped]
+    out[grouped] = packed[:full].view(n // 8, width // 32, 8, 32)[sel // 8, :, sel % 8].reshape(-1, width)
+    if full < n:
+        sel = flat[~grouped] - full
+        out[~grouped] = packed[full:].view(width // 32, n - full, 32)[:, sel].transpose(0, 1).reshape(-1, width)
+    return out.view(*ids.shape, width)
+
+
 def pack_q4(nibbles: Tensor) -> Tensor:
     """GGML-order q4 bytes [N, K/2] (16 per block of 32) -> q4_linear's layout [N, ceil(K/64) * 32]:
-    the blocks in pairs, the pair's bytes interleaved (a lone last block paired with zeros)."""
+    the blocks in pairs, the pair's bytes interleaved (a lone last block paired with zeros), the rows
+    in groups of 8 (interleave_rows)."""
     n, nb = nibbles.shape[0], nibbles.shape[1] // 16
     blocks = nibbles.reshape(n, nb, 16)
     if nb % 2:
         blocks = torch.cat((blocks, blocks.new_zeros(n, 1, 16)), dim=1)
-    return blocks.view(n, -1, 2, 16).transpose(2, 3).reshape(n, -1).contiguous()
+    return interleave_rows(blocks.view(n, -1, 2, 16).transpose(2, 3).reshape(n, -1))
 
 
-def unpack_q4(packed: Tensor, k: int) -> Tensor:
-    """pack_q4's inverse: GGML-order bytes [..., K/2] of rows in q4_linear's layout [..., ceil(K/64) * 32]."""
-    lead = packed.shape[:-1]
-    pairs = packed.reshape(*lead, -1, 16, 2).transpose(-1, -2)  # [..., pairs, 2, 16]
+def unpack_q4(packed: Tensor, k: int, ids: Tensor) -> Tensor:
+    """pack_q4's inverse for rows ids: GGML-order bytes [*ids.shape, K/2]."""
+    rows = grouped_rows(packed, ids)
+    lead = rows.shape[:-1]
+    pairs = rows.reshape(*lead, -1, 16, 2).transpose(-1, -2)  # [..., pairs, 2, 16]
     return pairs.reshape(*lead, -1, 16)[..., : k // 32, :].reshape(*lead, k // 2)
 
 
 def pack_q8(q: Tensor) -> Tensor:
-    """int8 [N, K] in blocks of 32 -> q8_linear's order: each block's halves interleaved byte by byte."""
+    """int8 [N, K] in blocks of 32 -> q8_linear's order: each block's halves interleaved byte by byte,
+    the rows in groups of 8 (interleave_rows)."""
     n, k = q.shape
-    return q.reshape(n, k // 32, 2, 16).transpose(2, 3).reshape(n, k).contiguous()
+    return interleave_rows(q.reshape(n, k // 32, 2, 16).transpose(2, 3).reshape(n, k))
 
 
-def unpack_q8(packed: Tensor) -> Tensor:
-    """pack_q8's inverse, for rows [..., K]."""
-    lead, k = packed.shape[:-1], packed.shape[-1]
-    return packed.reshape(*lead, k // 32, 16, 2).transpose(-1, -2).reshape(*lead, k)
+def unpack_q8(packed: Tensor, ids: Tensor) -> Tensor:
+    """pack_q8's inverse for rows ids: int8 [*ids.shape, K]."""
+    rows = grouped_rows(packed, ids)
+    lead, k = rows.shape[:-1], rows.shape[-1]
+    return rows.reshape(*lead, k // 32, 16, 2).transpose(-1, -2).reshape(*lead, k)
+
+
+def pack_scales(d: Tensor) -> Tensor:
+    """Block scales [N, K/32] -> the kernels' groups of 8 rows, float32 [ceil(N/8), K/32, 8] (zeros pad
+    the last group): one load gives a tile the scales of its 8 outputs."""
+    n, nb = d.shape
+    groups = d.float().new_zeros((n + 7) // 8 * 8, nb)
+    groups[:n] = d
+    return groups.view(-1, 8, nb).transpose(1, 2).contiguous()
+
+
+def scale_rows(groups: Tensor, ids: Tensor) -> Tensor:
+    """pack_scales' rows ids: [..., K/32]."""
+    return groups[ids // 8, :, ids % 8]
 
 
 def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs * d + m, per block of 32).T -> [M, N] float32; qs: pack_q4's layout
-    [N, ceil(K/64) * 32] uint8, d and m [N, K/32] float32."""
+    [N, ceil(K/64) * 32] uint8, d and m: pack_scales' layout."""
     return torch.ops.rosechat_quant.q4_linear(x, qs, d, m)
 
 
 def q8_linear(x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
-    """x [M, K] float32 @ (qs [N, K] int8 in pack_q8's order * d, per block of 32).T -> [M, N] float32."""
+    """x [M, K] float32 @ (qs [N, K] int8 in pack_q8's order * d, per block of 32).T -> [M, N] float32;
+    d: pack_scales' layout."""
     return torch.ops.rosechat_quant.q8_linear(x, qs, d)
 
 

@@ -28,9 +28,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-// Accumulators a tile keeps in registers: weight rows x rows of x. Up to 8 rows of x share one
-// widened weight block (8 x 1 measured 1.5-2x faster at 8 rows than 2 x 4); more spill.
-constexpr int kAccumulators = 8;
+constexpr int kLanes = 8;  // outputs a tile computes together: R weight rows x T rows of x, R * T = 8
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -39,12 +37,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// x quantized per block of 32: q int16 [M, K], d the block scales, s = d * sum(q) (the q4 offset term)
+// x quantized per block of 32: q int16 [M, K]; d the block scales and s = d * sum(q) (what a q4
+// block's offset m multiplies), both transposed, [K/32, M + 8]: a tile loads its rows' with one load
+// (the 8 past M are never used)
 struct QuantizedRows {
-  at::Tensor q, d, s;
+  at::Tensor q_t, d_t, s_t;  // owners of the pointers below
+  const int16_t* q;
+  const float *d, *s;
+  int64_t stride;
 };
 
-void quantize_row(const float* x, int64_t k, int16_t* q, float* d, float* s) {
+void quantize_row(const float* x, int64_t k, int16_t* q, float* d, float* s, int64_t stride) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < k / kBlock; ++b, x += kBlock, q += kBlock) {
@@ -65,49 +68,73 @@ void quantize_row(const float* x, int64_t k, int16_t* q, float* d, float* s) {
     const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2], i[3]), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), hi);
-    d[b] = top / 32767.0f;
-    s[b] = d[b] * hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))));
+    const float db = top / 32767.0f;
+    d[b * stride] = db;
+    s[b * stride] = db * hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))));
   }
 }
 
 QuantizedRows quantize_rows(const at::Tensor& x) {
-  const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
-  QuantizedRows out{at::empty({rows, k}, x.options().dtype(at::kShort)), at::empty({rows, nb}, x.options()),
-                    at::empty({rows, nb}, x.options())};
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock, stride = rows + kLanes;
+  QuantizedRows out{at::empty({rows, k}, x.options().dtype(at::kShort)), at::empty({nb, stride}, x.options()),
+                    at::empty({nb, stride}, x.options())};
   const float* xp = x.data_ptr<float>();
-  int16_t* qp = out.q.data_ptr<int16_t>();
-  float *dp = out.d.data_ptr<float>(), *sp = out.s.data_ptr<float>();
+  int16_t* qp = out.q_t.data_ptr<int16_t>();
+  float *dp = out.d_t.data_ptr<float>(), *sp = out.s_t.data_ptr<float>();
+  out.q = qp, out.d = dp, out.s = sp, out.stride = stride;
   rosechat::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, qp + r * k, dp + r * nb, sp + r * nb);
+    for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, qp + r * k, dp + r, sp + r, stride);
   });
   return out;
 }
 
-// int32 sums of a block's 32 products, as floats: weights widened to int16 (lo: elements 0-15, hi: 16-31)
-inline __m256 block_dot(__m256i w_lo, __m256i w_hi, const int16_t* x) {
-  const __m256i a = _mm256_madd_epi16(w_lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  const __m256i b = _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+// The 8 int32 sums of a block's products for one weight row and one row of x, lanes partly summed
+inline __m256i block_dot(__m256i w_lo, __m256i w_hi, const int16_t* x) {
+  return _mm256_add_epi32(_mm256_madd_epi16(w_lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                          _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
 }
 
-inline float dot_f32(const float* a, const float* b, int64_t len) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= len; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float sum = hsum(acc);
-  for (; i < len; ++i) sum += a[i] * b[i];
-  return sum;
+// Lane l of the result is the total of s[l]: a transpose that adds as it goes. Integer sums are exact,
+// so an output's block sum is the same whichever tile and lane computed it.
+inline __m256i lane_totals(const __m256i* s) {
+  __m256i p[4];
+  for (int j = 0; j < 4; ++j)
+    p[j] = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2 * j], s[2 * j + 1]), _mm256_unpackhi_epi32(s[2 * j], s[2 * j + 1]));
+  const __m256i q0 = _mm256_add_epi32(_mm256_unpacklo_epi64(p[0], p[1]), _mm256_unpackhi_epi64(p[0], p[1]));
+  const __m256i q1 = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2], p[3]), _mm256_unpackhi_epi64(p[2], p[3]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
-// The weight formats: how a row's block b widens to two int16 halves, and the per-row offset term.
-struct Q4 {
-  static constexpr int kMaxOutTile = 4;  // weight rows sharing one loaded x block
+// The weight formats: a row's bytes, how its block b widens to two int16 halves, whether blocks have an
+// offset m. Block scales d come in groups of 8 rows, [ceil(N/8), K/32, 8] (cpu_ops.pack_scales), so a
+// tile's scales for one block are one load.
+// Rows in groups of 8 (cpu_ops.interleave_rows): a group holds unit u (32 bytes: a q4 block pair, a
+// q8 block) of each of its rows together, so a tile's 8 rows are one sequential stream.
+struct Rows {
   const uint8_t* q;
+  int64_t n, row_bytes;
+  // Rows [begin, end) (whole groups but the last) towards the cache: a tile's first row would otherwise
+  // wait on memory for each of its units, too far apart for the hardware to prefetch
+  void prefetch(int64_t begin, int64_t end, const float* d, const float* m, int64_t nb) const {
+    for (const uint8_t *p = q + begin * row_bytes, *e = q + end * row_bytes; p < e; p += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+    for (const float* scales : {d, m})
+      for (const float *p = scales + begin * nb, *e = scales + end * nb; scales && p < e; p += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  }
+  // where row r's units start, and the distance between them
+  inline const uint8_t* row(int64_t r, int64_t& stride) const {
+    const int64_t g = r / kLanes;
+    stride = std::min<int64_t>(kLanes, n - g * kLanes) * 32;
+    return q + g * kLanes * row_bytes + r % kLanes * 32;
+  }
+};
+
+struct Q4 : Rows {
   const float *d, *m;
   int64_t nb;
-  inline void widen(int64_t row, int64_t b, __m256i& lo, __m256i& hi) const {
-    const int64_t row_bytes = (nb + 1) / 2 * 32;
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + row * row_bytes + b / 2 * 32));
+  static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b / 2 * stride));
     const __m256i low = _mm256_set1_epi16(0x0F);
     if (b % 2 == 0) {  // the pair's first block: the low byte of every lane
       lo = _mm256_and_si256(v, low);
@@ -117,57 +144,71 @@ struct Q4 {
       hi = _mm256_srli_epi16(v, 12);
     }
   }
-  inline float offset(int64_t row, const float* xs) const { return dot_f32(m + row * nb, xs, nb); }
+  static constexpr bool kOffset = true;
+  void prefetch(int64_t begin, int64_t end) const { Rows::prefetch(begin, end, d, m, nb); }
 };
 
-struct Q8 {
-  static constexpr int kMaxOutTile = 1;  // more measured slower for q8 (more streams of twice the bytes)
-  const int8_t* q;
+struct Q8 : Rows {
   const float* d;
   int64_t nb;
-  inline void widen(int64_t row, int64_t b, __m256i& lo, __m256i& hi) const {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (row * nb + b) * kBlock));
+  static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * stride));
     lo = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // the low byte of each lane, sign-extended
     hi = _mm256_srai_epi16(v, 8);
   }
-  inline float offset(int64_t, const float*) const { return 0.0f; }
+  const float* m = nullptr;
+  static constexpr bool kOffset = false;
+  void prefetch(int64_t begin, int64_t end) const { Rows::prefetch(begin, end, d, nullptr, nb); }
 };
 
-// Weight rows o..o+R against x rows r0..r0+T (both compile-time: the accumulators stay in registers).
+// Weight rows o..o+R (within one group of 8) against x rows r0..r0+T, R * T = 8: lane i * T + t of one
+// accumulator holds output (o + i, r0 + t). Per block, each lane adds its exact integer block sum times
+// (weight scale * x scale) in one FMA (and q4's m * sum(x) in another), whatever R and T are: a
+// sequence's result does not depend on the batch around it (batch invariance). Rows past n (the last
+// group's) repeat row n - 1, unstored.
 template <int R, int T, typename W>
-inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, float* y, int64_t n) {
+inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t n, int64_t r0, float* y) {
+  static_assert(R * T == kLanes);
   const int64_t nb = w.nb, k = nb * kBlock;
-  const int16_t* xq_p = xq.q.data_ptr<int16_t>() + r0 * k;
-  const float* xd = xq.d.data_ptr<float>() + r0 * nb;
-  const float* xs = xq.s.data_ptr<float>() + r0 * nb;
-  __m256 acc[R][T];
-  for (int i = 0; i < R; ++i)
-    for (int t = 0; t < T; ++t) acc[i][t] = _mm256_setzero_ps();
+  const uint8_t* rows[R];
+  int64_t stride = 0;
+  for (int i = 0; i < R; ++i) rows[i] = w.row(std::min(o + i, n - 1), stride);
+  const int16_t* x = xq.q + r0 * k;
+  const float* wd = w.d + o / kLanes * nb * kLanes;
+  const float* xd = xq.d + r0;
+  const float* wm = W::kOffset ? w.m + o / kLanes * nb * kLanes : nullptr;
+  const float* xs = xq.s + r0;
+  int w_lane[kLanes], x_lane[kLanes];
+  for (int l = 0; l < kLanes; ++l) w_lane[l] = o % kLanes + l / T, x_lane[l] = l % T;
+  const __m256i w_index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w_lane));
+  const __m256i x_index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_lane));
+  __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    __m256i s[kLanes];
     for (int i = 0; i < R; ++i) {
       __m256i lo, hi;
-      w.widen(o + i, b, lo, hi);
-      const float wd = w.d[(o + i) * nb + b];
-      for (int t = 0; t < T; ++t)
-        acc[i][t] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[t * nb + b]), block_dot(lo, hi, xq_p + t * k + b * kBlock),
-                                    acc[i][t]);
+      W::widen(rows[i], stride, b, lo, hi);
+      for (int t = 0; t < T; ++t) s[i * T + t] = block_dot(lo, hi, x + t * k + b * kBlock);
     }
+    const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(wd + b * kLanes), w_index),
+                                       _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + b * xq.stride), x_index));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(s)), scale, acc);
+    if constexpr (W::kOffset)  // q4's m * sum(x) for the block
+      acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(wm + b * kLanes), w_index),
+                            _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs + b * xq.stride), x_index), acc);
   }
-  for (int i = 0; i < R; ++i)
-    for (int t = 0; t < T; ++t) y[(r0 + t) * n + o + i] = hsum(acc[i][t]) + w.offset(o + i, xs + t * nb);
+  float out[kLanes];
+  _mm256_storeu_ps(out, acc);
+  for (int i = 0; i < R && o + i < n; ++i)
+    for (int t = 0; t < T; ++t) y[(r0 + t) * n + o + i] = out[i * T + t];
 }
 
-// Weight rows [o_begin, o_end) against x rows r0..r0+T, in tiles of R weight rows.
+// Weight rows [o_begin, o_end) (whole groups of 8) against x rows r0..r0+T, in tiles of 8 / T weight rows.
 template <int T, typename W>
-void row_tile(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o_end, int64_t r0, float* y, int64_t n) {
-  constexpr int R = std::min(W::kMaxOutTile, kAccumulators / T);
-  int64_t o = o_begin;
-  for (; o + R <= o_end; o += R) tile<R, T>(w, xq, o, r0, y, n);
-  for (; o < o_end; ++o) tile<1, T>(w, xq, o, r0, y, n);
+void row_tiles(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o_end, int64_t n, int64_t r0, float* y) {
+  for (int64_t o = o_begin; o < std::min(o_end, n); o += kLanes / T) tile<kLanes / T, T>(w, xq, o, n, r0, y);
 }
 
-// Every row of x takes the same operations in the same order whatever tile it falls in, so a
-// sequence's result does not depend on the batch around it (batch invariance).
 template <typename W>
 at::Tensor blocked_linear(const at::Tensor& x, const W& w, int64_t n) {
   const int64_t rows = x.size(0);
@@ -175,43 +216,48 @@ at::Tensor blocked_linear(const at::Tensor& x, const W& w, int64_t n) {
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
   constexpr int64_t kOutBlock = 16;  // weight rows that stay in cache while every tile of x passes them
-  rosechat::parallel_for(0, n, kOutBlock, [&](int64_t begin, int64_t end) {
+  rosechat::parallel_for(0, (n + kLanes - 1) / kLanes * kLanes, kOutBlock, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; o += kOutBlock) {
       const int64_t o_end = std::min(end, o + kOutBlock);
+      w.prefetch(std::min(o_end, n), std::min(o_end + kOutBlock, n));
       int64_t r0 = 0;
-      for (; r0 + 8 <= rows; r0 += 8) row_tile<8>(w, xq, o, o_end, r0, yp, n);
-      if (rows - r0 >= 4) row_tile<4>(w, xq, o, o_end, r0, yp, n), r0 += 4;
-      if (rows - r0 >= 2) row_tile<2>(w, xq, o, o_end, r0, yp, n), r0 += 2;
-      if (rows - r0 >= 1) row_tile<1>(w, xq, o, o_end, r0, yp, n);
+      for (; r0 + 8 <= rows; r0 += 8) row_tiles<8>(w, xq, o, o_end, n, r0, yp);
+      if (rows - r0 >= 4) row_tiles<4>(w, xq, o, o_end, n, r0, yp), r0 += 4;
+      if (rows - r0 >= 2) row_tiles<2>(w, xq, o, o_end, n, r0, yp), r0 += 2;
+      if (rows - r0 >= 1) row_tiles<1>(w, xq, o, o_end, n, r0, yp);
     }
   });
   return y;
 }
 
-void check(const at::Tensor& x, int64_t n, int64_t k, std::initializer_list<at::Tensor> scales) {
+void check(const at::Tensor& x, int64_t n, int64_t k, const at::Tensor& d) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(x.size(1) == k && k % kBlock == 0, "x has ", x.size(1), " columns; the weight takes ", k);
-  for (const auto& s : scales)
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == n * (k / kBlock),
-                "block scales: contiguous float32 [N, K/32]");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
+                  d.size(1) == k / kBlock && d.size(2) == kLanes,
+              "block scales: contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
 }
 
-// x [M, K] float32; qs uint8 [N, ceil(K/64) * 32] (block pairs); d, m float32 [N, K/32] -> [M, N] float32
+// x [M, K] float32; qs uint8 [N, ceil(K/64) * 32] (block pairs); d and m float32 [ceil(N/8), K/32, 8]
+// -> [M, N] float32
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(d.dim() == 2 && qs.dim() == 2, "q4 weight [N, ceil(K/64) * 32], block scales [N, K/32]");
+  TORCH_CHECK(d.dim() == 3 && qs.dim() == 2, "q4 weight [N, ceil(K/64) * 32], block scales [ceil(N/8), K/32, 8] "
+              "(cpu_ops.pack_scales)");
   const int64_t n = qs.size(0), k = d.size(1) * kBlock;  // the scales count the blocks
-  check(x, n, k, {d, m});
+  check(x, n, k, d);
+  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous(),
+              "q4 offsets: as the block scales, contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(1) == (k / kBlock + 1) / 2 * 32,
               "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4), K = ", k);
-  return blocked_linear(x, Q4{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), k / kBlock}, n);
+  return blocked_linear(x, Q4{{qs.data_ptr<uint8_t>(), n, qs.size(1)}, d.data_ptr<float>(), m.data_ptr<float>(), k / kBlock}, n);
 }
 
-// x [M, K] float32; qs int8 [N, K] (pack_q8's order); d float32 [N, K/32] -> [M, N] float32
+// x [M, K] float32; qs int8 [N, K] (pack_q8's order); d float32 [ceil(N/8), K/32, 8] -> [M, N] float32
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
   const int64_t n = qs.size(0), k = qs.size(1);
   TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous(), "q8 weight: contiguous int8 [N, K]");
-  check(x, n, k, {d});
-  return blocked_linear(x, Q8{qs.data_ptr<int8_t>(), d.data_ptr<float>(), k / kBlock}, n);
+  check(x, n, k, d);
+  return blocked_linear(x, Q8{{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k}, d.data_ptr<float>(), k / kBlock}, n);
 }
 
 }  // namespace

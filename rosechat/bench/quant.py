@@ -95,11 +95,12 @@ def _our_routes(in_f: int, out_f: int, x: Callable[[int, torch.dtype], torch.Ten
 
     def q4():
         nibbles = torch.randint(0, 256, (out_f, in_f // 2), dtype=torch.uint8)
-        return (cpu_ops.pack_q4(nibbles), torch.rand(out_f, in_f // 32) * 0.01, -torch.rand(out_f, in_f // 32) * 0.1)
+        return (cpu_ops.pack_q4(nibbles), cpu_ops.pack_scales(torch.rand(out_f, in_f // 32) * 0.01),
+                cpu_ops.pack_scales(-torch.rand(out_f, in_f // 32) * 0.1))
 
     def q8():
         q = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
-        return cpu_ops.pack_q8(q), torch.rand(out_f, in_f // 32) * 0.01
+        return cpu_ops.pack_q8(q), cpu_ops.pack_scales(torch.rand(out_f, in_f // 32) * 0.01)
 
     return {
         "rosechat q4 fp32": (q4, lambda w, r: cpu_ops.q4_linear(x(r, torch.float32), *w)),

@@ -32,9 +32,10 @@ def _loops() -> list[Callable[[], tuple[torch.Tensor, ...]]]:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 576, generator=gen)
     q4 = (cpu_ops.pack_q4(torch.randint(0, 256, (577, 288), dtype=torch.uint8, generator=gen)),
-          torch.rand(577, 18, generator=gen) * 0.02, -torch.rand(577, 18, generator=gen) * 0.1)
+          cpu_ops.pack_scales(torch.rand(577, 18, generator=gen) * 0.02),
+          cpu_ops.pack_scales(-torch.rand(577, 18, generator=gen) * 0.1))
     q8 = (cpu_ops.pack_q8(torch.randint(-127, 128, (1000, 576), dtype=torch.int8, generator=gen)),
-          torch.rand(1000, 18, generator=gen) * 0.01)
+          cpu_ops.pack_scales(torch.rand(1000, 18, generator=gen) * 0.01))
     rows, w = torch.randn(37, 576, generator=gen), torch.rand(576, generator=gen)
     S, n, L, Hq, Hkv, D = 160, 7, 20, 9, 3, 64
     k_rows, v_rows = torch.randn(S, Hkv * D, generator=gen), torch.randn(S, Hkv * D, generator=gen)

@@ -39,13 +39,14 @@ def _q4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     qs = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)  # GGML order: byte j = q[j] | q[j + 16] << 4
     qs = cpu_ops.pack_q4(qs)
     w = (q.view(n, k // 32, 32).double() * d.double()[..., None] + m.double()[..., None]).view(n, k)
-    return (qs, d, m), w
+    return (qs, cpu_ops.pack_scales(d), cpu_ops.pack_scales(m)), w
 
 
 def _q8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     d = torch.rand(n, k // 32, generator=gen) * 0.01
-    return (cpu_ops.pack_q8(q), d), (q.view(n, k // 32, 32).double() * d.double()[..., None]).view(n, k)
+    w = (q.view(n, k // 32, 32).double() * d.double()[..., None]).view(n, k)
+    return (cpu_ops.pack_q8(q), cpu_ops.pack_scales(d)), w
 
 
 SHAPES = [(1, 576, 960), (2, 64, 5), (3, 1536, 577), (8, 576, 100), (17, 96, 33)]
@@ -83,14 +84,18 @@ def test_rows_are_independent_of_the_batch(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("k", [32, 64, 96])
-def test_pack_q4_and_q8_round_trip(k: int) -> None:
-    nibbles = torch.randint(0, 256, (5, k // 2), dtype=torch.uint8)
+@pytest.mark.parametrize("n", [5, 16, 21])  # a lone short group, whole groups, both
+def test_pack_q4_and_q8_round_trip(k: int, n: int) -> None:
+    nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     packed = cpu_ops.pack_q4(nibbles)
-    assert packed.shape == (5, (k // 32 + 1) // 2 * 32)
-    assert torch.equal(cpu_ops.unpack_q4(packed, k), nibbles)
-    assert torch.equal(cpu_ops.unpack_q4(packed[[3, 1]], k), nibbles[[3, 1]])  # rows, as an embedding reads
-    q8 = torch.randint(-127, 128, (5, k), dtype=torch.int8)
-    assert torch.equal(cpu_ops.unpack_q8(cpu_ops.pack_q8(q8)[[3, 1]]), q8[[3, 1]])
+    assert packed.shape == (n, (k // 32 + 1) // 2 * 32)
+    assert torch.equal(cpu_ops.unpack_q4(packed, k, torch.arange(n)), nibbles)
+    ids = torch.tensor([[3, 1], [n - 1, 0]])  # rows, as an embedding reads them
+    assert torch.equal(cpu_ops.unpack_q4(packed, k, ids), nibbles[ids])
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    assert torch.equal(cpu_ops.unpack_q8(cpu_ops.pack_q8(q8), ids), q8[ids])
+    d = torch.rand(n, k // 32)
+    assert torch.equal(cpu_ops.scale_rows(cpu_ops.pack_scales(d), ids), d[ids])
 
 
 def test_bad_inputs_are_refused_clearly() -> None:
@@ -100,8 +105,10 @@ def test_bad_inputs_are_refused_clearly() -> None:
         cpu_ops.q4_linear(torch.randn(2, 32), qs, d, m)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         cpu_ops.q4_linear(torch.randn(2, 64, dtype=torch.float64), qs, d, m)
-    with pytest.raises(RuntimeError, match="block scales"):
+    with pytest.raises(RuntimeError, match="q4 offsets"):
         cpu_ops.q4_linear(torch.randn(2, 64), qs, d, m[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match="pack_scales"):  # scales a row each, not in groups of 8
+        cpu_ops.q4_linear(torch.randn(2, 64), qs, d[0], m)
     with pytest.raises(RuntimeError, match="pack_q4"):
         cpu_ops.q4_linear(torch.randn(2, 64), qs[:, :16].contiguous(), d, m)
     with pytest.raises(RuntimeError, match="q8 weight"):
