@@ -161,6 +161,14 @@ struct Q8 : Rows {
   void prefetch(int64_t begin, int64_t end) const { Rows::prefetch(begin, end, d, nullptr, nb); }
 };
 
+// Lane l takes p[index[l]], N values in all: all 8 in order is a load, one a broadcast, else a permute
+template <int N>
+inline __m256 lanes(const float* p, __m256i index) {
+  if constexpr (N == kLanes) return _mm256_loadu_ps(p);
+  else if constexpr (N == 1) return _mm256_broadcast_ss(p);
+  else return _mm256_permutevar8x32_ps(_mm256_loadu_ps(p), index);
+}
+
 // Weight rows o..o+R (within one group of 8) against x rows r0..r0+T, R * T = 8: lane i * T + t of one
 // accumulator holds output (o + i, r0 + t). Per block, each lane adds its exact integer block sum times
 // (weight scale * x scale) in one FMA (and q4's m * sum(x) in another), whatever R and T are: a
@@ -174,9 +182,10 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t n, int6
   int64_t stride = 0;
   for (int i = 0; i < R; ++i) rows[i] = w.row(std::min(o + i, n - 1), stride);
   const int16_t* x = xq.q + r0 * k;
-  const float* wd = w.d + o / kLanes * nb * kLanes;
+  const int64_t group = o / kLanes * nb * kLanes + (R == 1 ? o % kLanes : 0);  // a lone row's: broadcast
+  const float* wd = w.d + group;
   const float* xd = xq.d + r0;
-  const float* wm = W::kOffset ? w.m + o / kLanes * nb * kLanes : nullptr;
+  const float* wm = W::kOffset ? w.m + group : nullptr;
   const float* xs = xq.s + r0;
   int w_lane[kLanes], x_lane[kLanes];
   for (int l = 0; l < kLanes; ++l) w_lane[l] = o % kLanes + l / T, x_lane[l] = l % T;
@@ -190,12 +199,10 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t n, int6
       W::widen(rows[i], stride, b, lo, hi);
       for (int t = 0; t < T; ++t) s[i * T + t] = block_dot(lo, hi, x + t * k + b * kBlock);
     }
-    const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(wd + b * kLanes), w_index),
-                                       _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + b * xq.stride), x_index));
+    const __m256 scale = _mm256_mul_ps(lanes<R>(wd + b * kLanes, w_index), lanes<T>(xd + b * xq.stride, x_index));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(s)), scale, acc);
     if constexpr (W::kOffset)  // q4's m * sum(x) for the block
-      acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(wm + b * kLanes), w_index),
-                            _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs + b * xq.stride), x_index), acc);
+      acc = _mm256_fmadd_ps(lanes<R>(wm + b * kLanes, w_index), lanes<T>(xs + b * xq.stride, x_index), acc);
   }
   float out[kLanes];
   _mm256_storeu_ps(out, acc);
