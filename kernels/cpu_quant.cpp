@@ -113,15 +113,6 @@ inline __m256i lane_totals(const __m256i* s) {
 struct Rows {
   const uint8_t* q;
   int64_t n, row_bytes;
-  // Rows [begin, end) (whole groups but the last) towards the cache: a tile's first row would otherwise
-  // wait on memory for each of its units, too far apart for the hardware to prefetch
-  void prefetch(int64_t begin, int64_t end, const float* d, const float* m, int64_t nb) const {
-    for (const uint8_t *p = q + begin * row_bytes, *e = q + end * row_bytes; p < e; p += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-    for (const float* scales : {d, m})
-      for (const float *p = scales + begin * nb, *e = scales + end * nb; scales && p < e; p += 16)
-        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-  }
   // where row r's units start, and the distance between them
   inline const uint8_t* row(int64_t r, int64_t& stride) const {
     const int64_t g = r / kLanes;
@@ -145,7 +136,6 @@ struct Q4 : Rows {
     }
   }
   static constexpr bool kOffset = true;
-  void prefetch(int64_t begin, int64_t end) const { Rows::prefetch(begin, end, d, m, nb); }
 };
 
 struct Q8 : Rows {
@@ -158,7 +148,6 @@ struct Q8 : Rows {
   }
   const float* m = nullptr;
   static constexpr bool kOffset = false;
-  void prefetch(int64_t begin, int64_t end) const { Rows::prefetch(begin, end, d, nullptr, nb); }
 };
 
 // Lane l takes p[index[l]], N values in all: all 8 in order is a load, one a broadcast, else a permute
@@ -226,7 +215,6 @@ at::Tensor blocked_linear(const at::Tensor& x, const W& w, int64_t n) {
   rosechat::parallel_for(0, (n + kLanes - 1) / kLanes * kLanes, kOutBlock, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; o += kOutBlock) {
       const int64_t o_end = std::min(end, o + kOutBlock);
-      w.prefetch(std::min(o_end, n), std::min(o_end + kOutBlock, n));
       int64_t r0 = 0;
       for (; r0 + 8 <= rows; r0 += 8) row_tiles<8>(w, xq, o, o_end, n, r0, yp);
       if (rows - r0 >= 4) row_tiles<4>(w, xq, o, o_end, n, r0, yp), r0 += 4;
