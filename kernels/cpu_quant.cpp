@@ -180,7 +180,7 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t n, int6
   for (int l = 0; l < kLanes; ++l) w_lane[l] = o % kLanes + l / T, x_lane[l] = l % T;
   const __m256i w_index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w_lane));
   const __m256i x_index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_lane));
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();  // two chains of FMAs, not one
   for (int64_t b = 0; b < nb; ++b) {
     __m256i s[kLanes];
     for (int i = 0; i < R; ++i) {
@@ -191,10 +191,10 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t n, int6
     const __m256 scale = _mm256_mul_ps(lanes<R>(wd + b * kLanes, w_index), lanes<T>(xd + b * xq.stride, x_index));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(s)), scale, acc);
     if constexpr (W::kOffset)  // q4's m * sum(x) for the block
-      acc = _mm256_fmadd_ps(lanes<R>(wm + b * kLanes, w_index), lanes<T>(xs + b * xq.stride, x_index), acc);
+      offsets = _mm256_fmadd_ps(lanes<R>(wm + b * kLanes, w_index), lanes<T>(xs + b * xq.stride, x_index), offsets);
   }
   float out[kLanes];
-  _mm256_storeu_ps(out, acc);
+  _mm256_storeu_ps(out, _mm256_add_ps(acc, offsets));
   for (int i = 0; i < R && o + i < n; ++i)
     for (int t = 0; t < T; ++t) y[(r0 + t) * n + o + i] = out[i * T + t];
 }
