@@ -9,14 +9,21 @@
 //   q8: w = q * d,      q in -127..127 (GGUF Q8_0 exactly; Q5/Q6 blocks requantized per 32). A
 //       block's byte 2j is element j, byte 2j + 1 element j + 16 (cpu_ops.pack_q8): shifts widen them
 //
+// Rows go in groups of 8: a group stores each 32-byte unit (a q4 block pair, a q8 block) of its 8
+// rows together (cpu_ops.interleave_rows), and the block scales d (and q4's m) as [group, block, 8]
+// (cpu_ops.pack_scales), so the 8 rows a tile multiplies are one sequential stream and their scales
+// for a block one load (8 rows), a broadcast (1) or a load and a permute.
+//
 // As in llama.cpp, each row of x is quantized per block of 32 and every block dot product runs on
 // integers, scaled once per block. Unlike llama.cpp, x is quantized to int16, not int8: its error is
-// then far below the weights' own (an 8-bit x flips near-tied greedy tokens that fp32 gets right),
-// and vpmaddwd on 16-bit pairs costs about what the 4-bit unpacking does. Memory traffic is the
-// packed weight itself, a sixth (q4) or a third (q8) of the fp32 matrix.
+// then far below the weights' own (an 8-bit x flips near-tied greedy tokens that fp32 gets right).
+// A tile computes 8 outputs (8 weight rows x 1 row of x at one sequence, 1 x 8 at eight, ...): their
+// 8 int32 block sums are transposed into one vector, so converting, scaling and accumulating cost one
+// instruction each per block for all 8. Memory traffic is the packed weight itself, a sixth (q4) or
+// a third (q8) of the fp32 matrix.
 //
-// Built at first use by torch.utils.cpp_extension (kernels/cpu_ops.py). Parallel over output rows
-// through cpu_pool.h, so it honours torch.set_num_threads.
+// Built at first use by torch.utils.cpp_extension (kernels/cpu_ops.py). Parallel over groups of
+// output rows through cpu_pool.h, so it honours torch.set_num_threads.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -39,9 +46,10 @@ inline float hsum(__m256 v) {
 }
 
 // x quantized per block of 32: q int16 [M, K]; d the block scales and s = d * sum(q) (what a q4
-// block's offset m multiplies), both transposed, [K/32, M + 8]: a tile loads its rows' with one load
-// (the 8 past M are never used). The buffers are the calling thread's, reused from call to call (a
-// decode step makes ~120 of these calls; three allocations each showed in its profile).
+// block's offset m multiplies), both transposed, [K/32, M + 8]: a tile loads its rows' values with
+// one load (the 8 slots past M are read but never used). The buffers are the calling thread's,
+// reused from call to call (a decode step makes ~120 of these calls; three allocations each showed
+// in its profile), so a thread holds one QuantizedRows at a time.
 struct QuantizedRows {
   const int16_t* q;
   const float *d, *s;
@@ -79,6 +87,8 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock, stride = rows + kLanes;
   thread_local std::vector<__m256i> q;  // 32-byte aligned: no load of a block straddles two cache lines
   thread_local std::vector<float> scales;
+  if (q.size() > (int64_t{1} << 16) && rows * k / 16 * 4 < static_cast<int64_t>(q.size()))
+    q = {}, scales = {};  // after a long prompt's chunk (megabytes), decode steps need kilobytes
   q.resize(rows * k / 16);
   scales.resize(2 * nb * stride);
   const float* xp = x.data_ptr<float>();
@@ -107,21 +117,18 @@ inline __m256i lane_totals(const __m256i* s) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
-// The weight formats: a row's bytes, how its block b widens to two int16 halves, whether blocks have an
-// offset m. Block scales d come in groups of 8 rows, [ceil(N/8), K/32, 8] (cpu_ops.pack_scales), so a
-// tile's scales for one block are one load.
 // Rows in groups of 8 (cpu_ops.interleave_rows): a group holds unit u (32 bytes: a q4 block pair, a
 // q8 block) of each of its rows together, so a tile's 8 rows are one sequential stream.
 struct Rows {
   const uint8_t* q;
   int64_t n, row_bytes;
-  // where row r's units start, and the distance between them
-  inline const uint8_t* row(int64_t r, int64_t& stride) const {
-    const int64_t g = r / kLanes;
-    stride = std::min<int64_t>(kLanes, n - g * kLanes) * 32;
-    return q + g * kLanes * row_bytes + r % kLanes * 32;
-  }
+  // the distance between a row's units in the group starting at row o (the last may be short)
+  int64_t stride(int64_t o) const { return std::min<int64_t>(kLanes, n - o / kLanes * kLanes) * 32; }
+  const uint8_t* row(int64_t r) const { return q + r / kLanes * kLanes * row_bytes + r % kLanes * 32; }
 };
+
+// The weight formats: how a row's block b widens to two int16 halves, and whether blocks have an
+// offset m. Block scales d (and m) come in groups of 8 rows, [ceil(N/8), K/32, 8] (cpu_ops.pack_scales).
 
 struct Q4 : Rows {
   const float *d, *m;
@@ -148,7 +155,6 @@ struct Q8 : Rows {
     lo = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // the low byte of each lane, sign-extended
     hi = _mm256_srai_epi16(v, 8);
   }
-  const float* m = nullptr;
   static constexpr bool kOffset = false;
 };
 
@@ -170,13 +176,13 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t n, int6
   static_assert(R * T == kLanes);
   const int64_t nb = w.nb, k = nb * kBlock;
   const uint8_t* rows[R];
-  int64_t stride = 0;
-  for (int i = 0; i < R; ++i) rows[i] = w.row(std::min(o + i, n - 1), stride);
+  for (int i = 0; i < R; ++i) rows[i] = w.row(std::min(o + i, n - 1));
+  const int64_t stride = w.stride(o);
   const int16_t* x = xq.q + r0 * k;
-  const int64_t group = o / kLanes * nb * kLanes + (R == 1 ? o % kLanes : 0);  // a lone row's: broadcast
-  const float* wd = w.d + group;
+  // block 0's scales of o's group (a lone row's own, to broadcast), then kLanes floats a block
+  const int64_t scales_at = o / kLanes * nb * kLanes + (R == 1 ? o % kLanes : 0);
+  const float* wd = w.d + scales_at;
   const float* xd = xq.d + r0;
-  const float* wm = W::kOffset ? w.m + group : nullptr;
   const float* xs = xq.s + r0;
   int w_lane[kLanes], x_lane[kLanes];
   for (int l = 0; l < kLanes; ++l) w_lane[l] = o % kLanes + l / T, x_lane[l] = l % T;
@@ -193,7 +199,8 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t n, int6
     const __m256 scale = _mm256_mul_ps(lanes<R>(wd + b * kLanes, w_index), lanes<T>(xd + b * xq.stride, x_index));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(s)), scale, acc);
     if constexpr (W::kOffset)  // q4's m * sum(x) for the block
-      offsets = _mm256_fmadd_ps(lanes<R>(wm + b * kLanes, w_index), lanes<T>(xs + b * xq.stride, x_index), offsets);
+      offsets = _mm256_fmadd_ps(lanes<R>(w.m + scales_at + b * kLanes, w_index), lanes<T>(xs + b * xq.stride, x_index),
+                                offsets);
   }
   float out[kLanes];
   _mm256_storeu_ps(out, _mm256_add_ps(acc, offsets));
@@ -214,6 +221,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const W& w, int64_t n) {
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
   constexpr int64_t kOutBlock = 16;  // weight rows that stay in cache while every tile of x passes them
+  static_assert(kOutBlock % kLanes == 0, "tiles start on a group of 8 rows: chunks are whole grains");
   rosechat::parallel_for(0, (n + kLanes - 1) / kLanes * kLanes, kOutBlock, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; o += kOutBlock) {
       const int64_t o_end = std::min(end, o + kOutBlock);

@@ -85,13 +85,15 @@ def test_write_kv_skips_minus_one_and_checks_the_slot_range() -> None:
         cpu_ops.write_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, blocks * bs]))
 
 
-@pytest.mark.parametrize("Hq, Hkv, D", [(6, 2, 16), (3, 3, 12)])  # GQA, and MHA with a tail
+# GQA (3 query heads a KV head: the values weighed for three at once; 4 = 3 + 1, 10 = 3 + 2), MHA,
+# and head sizes with tails after 32-column passes and 8-column vectors
+@pytest.mark.parametrize("Hq, Hkv, D", [(6, 2, 16), (3, 3, 12), (9, 3, 64), (8, 2, 40), (10, 2, 100), (7, 7, 31)])
 def test_decode_attention_reads_each_sequence_own_slots(Hq: int, Hkv: int, D: int) -> None:
-    S, n, L = 40, 3, 11
+    S, n, L = 80, 4, 17
     k_rows, v_rows = randn(S, Hkv * D), randn(S, Hkv * D)
     q = randn(n, Hq, D)
     slots = torch.randperm(S, generator=gen)[: n * L].view(n, L).contiguous()
-    counts = torch.tensor([11, 1, 9])  # past a sequence's count its slots are never read
+    counts = torch.tensor([17, 1, 9, 8])  # keys 8 at a time, with tails; past a count no slot is read
     scale = 1 / math.sqrt(D)
     out, lse = cpu_ops.decode_attention(q, k_rows, v_rows, slots, counts, scale)
     assert out.shape == (n, Hq, D) and lse.shape == (n, Hq)
@@ -107,7 +109,7 @@ def test_decode_attention_reads_each_sequence_own_slots(Hq: int, Hkv: int, D: in
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu_ops.decode_attention(q, k_rows, v_rows, slots + S, counts, scale)
     with pytest.raises(RuntimeError, match="keys of"):
-        cpu_ops.decode_attention(q, k_rows, v_rows, slots, torch.tensor([0, 1, 1]), scale)
+        cpu_ops.decode_attention(q, k_rows, v_rows, slots, torch.tensor([0, 1, 1, 1]), scale)
 
 
 def test_the_model_gives_the_same_logits_with_and_without_the_fused_layers(tmp_path, monkeypatch) -> None:

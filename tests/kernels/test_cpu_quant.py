@@ -22,13 +22,14 @@ def test_the_kernels_build_on_this_cpu() -> None:
 
 
 def _quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """What the kernel multiplies: x rounded per block of 32 to int16 steps of max|x| / 32767."""
+    """What the kernel multiplies: x rounded per block of 32 to int16 steps of max|x| / 32767, in
+    float32 as the kernel rounds (x * (32767 / max), to nearest even)."""
     rows, k = x.shape
-    blocks = x.double().view(rows, k // 32, 32)
+    blocks = x.view(rows, k // 32, 32)
     top = blocks.abs().amax(-1, keepdim=True)
-    step = top / 32767
-    q = torch.round(blocks / torch.where(top > 0, step, torch.ones_like(step)))
-    return (q * step).view(rows, k)
+    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros_like(top))
+    q = torch.round(blocks * inv)
+    return (q.double() * (top / 32767.0).double()).view(rows, k)
 
 
 def _q4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -69,6 +70,24 @@ def test_matches_float64_reference(fmt: str, rows: int, k: int, n: int) -> None:
     assert (y.double() - emulated).abs().max().item() < 1e-5 * scale
     # int16 activations: the whole error is ~1e-5 of the output's range
     assert (y.double() - exact).abs().max().item() < 1e-4 * scale
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("k", [96, 160])  # an odd number of blocks: q4's last pair half empty
+def test_every_tile_shape_and_short_group(fmt: str, k: int) -> None:
+    """1 to 17 rows of x (tiles of 8, 4, 2 and 1 rows) against 1, 7, 9 and 33 weight rows (a group of
+    8 short, whole, and with a short one after): the reference, and each row as it is alone."""
+    gen = torch.Generator().manual_seed(k)
+    op = cpu_ops.q4_linear if fmt == "q4" else cpu_ops.q8_linear
+    for n in (1, 7, 9, 33):
+        weight, w = (_q4 if fmt == "q4" else _q8)(n, k, gen)
+        x = torch.randn(17, k, generator=gen)
+        alone = torch.cat([op(x[i : i + 1].contiguous(), *weight) for i in range(17)])
+        for rows in range(1, 18):
+            y = op(x[:rows].contiguous(), *weight)
+            assert torch.equal(y, alone[:rows]), (n, rows)
+        emulated = _quantized_x(x) @ w.T
+        assert (alone.double() - emulated).abs().max().item() < 1e-6 * emulated.abs().max().item(), n
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
