@@ -316,11 +316,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
         lp[i * Hq + h * G + g] = top + std::log(total);
       }
       const float* values = vp + h * D;
+      const float* p = scores.data();
       float* o = op + (i * Hq + h * G) * D;
       int64_t g = 0;
-      for (; g + 3 <= G; g += 3) weigh_values<3>(scores.data() + g * len, len, values, seq_slots, Hkv * D, D, o + g * D);
-      if (G - g == 2) weigh_values<2>(scores.data() + g * len, len, values, seq_slots, Hkv * D, D, o + g * D);
-      if (G - g == 1) weigh_values<1>(scores.data() + g * len, len, values, seq_slots, Hkv * D, D, o + g * D);
+      for (; g + 3 <= G; g += 3) weigh_values<3>(p + g * len, len, values, seq_slots, Hkv * D, D, o + g * D);
+      if (G - g == 2) weigh_values<2>(p + g * len, len, values, seq_slots, Hkv * D, D, o + g * D);
+      if (G - g == 1) weigh_values<1>(p + g * len, len, values, seq_slots, Hkv * D, D, o + g * D);
     }
   });
   return {out, lse};

@@ -79,7 +79,8 @@ void quantize_row(const float* x, int64_t k, int16_t* q, float* d, float* s, int
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), hi);
     const float db = top / 32767.0f;
     d[b * stride] = db;
-    s[b * stride] = db * hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))));
+    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+    s[b * stride] = db * hsum(_mm256_cvtepi32_ps(sums));
   }
 }
 
@@ -110,8 +111,10 @@ inline __m256i block_dot(__m256i w_lo, __m256i w_hi, const int16_t* x) {
 // so an output's block sum is the same whichever tile and lane computed it.
 inline __m256i lane_totals(const __m256i* s) {
   __m256i p[4];
-  for (int j = 0; j < 4; ++j)
-    p[j] = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2 * j], s[2 * j + 1]), _mm256_unpackhi_epi32(s[2 * j], s[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m256i a = s[2 * j], b = s[2 * j + 1];
+    p[j] = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+  }
   const __m256i q0 = _mm256_add_epi32(_mm256_unpacklo_epi64(p[0], p[1]), _mm256_unpackhi_epi64(p[0], p[1]));
   const __m256i q1 = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2], p[3]), _mm256_unpackhi_epi64(p[2], p[3]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
@@ -129,7 +132,6 @@ struct Rows {
 
 // The weight formats: how a row's block b widens to two int16 halves, and whether blocks have an
 // offset m. Block scales d (and m) come in groups of 8 rows, [ceil(N/8), K/32, 8] (cpu_ops.pack_scales).
-
 struct Q4 : Rows {
   const float *d, *m;
   int64_t nb;
@@ -172,9 +174,9 @@ inline __m256 lanes(const float* p, __m256i index) {
 // sequence's result does not depend on the batch around it (batch invariance). Rows past n (the last
 // group's) repeat row n - 1, unstored.
 template <int R, int T, typename W>
-inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t n, int64_t r0, float* y) {
+inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, float* y) {
   static_assert(R * T == kLanes);
-  const int64_t nb = w.nb, k = nb * kBlock;
+  const int64_t n = w.n, nb = w.nb, k = nb * kBlock;
   const uint8_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = w.row(std::min(o + i, n - 1));
   const int64_t stride = w.stride(o);
@@ -210,13 +212,13 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t n, int6
 
 // Weight rows [o_begin, o_end) (whole groups of 8) against x rows r0..r0+T, in tiles of 8 / T weight rows.
 template <int T, typename W>
-void row_tiles(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o_end, int64_t n, int64_t r0, float* y) {
-  for (int64_t o = o_begin; o < std::min(o_end, n); o += kLanes / T) tile<kLanes / T, T>(w, xq, o, n, r0, y);
+void row_tiles(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o_end, int64_t r0, float* y) {
+  for (int64_t o = o_begin; o < std::min(o_end, w.n); o += kLanes / T) tile<kLanes / T, T>(w, xq, o, r0, y);
 }
 
 template <typename W>
-at::Tensor blocked_linear(const at::Tensor& x, const W& w, int64_t n) {
-  const int64_t rows = x.size(0);
+at::Tensor blocked_linear(const at::Tensor& x, const W& w) {
+  const int64_t rows = x.size(0), n = w.n;
   const QuantizedRows xq = quantize_rows(x);
   at::Tensor y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -226,10 +228,10 @@ at::Tensor blocked_linear(const at::Tensor& x, const W& w, int64_t n) {
     for (int64_t o = begin; o < end; o += kOutBlock) {
       const int64_t o_end = std::min(end, o + kOutBlock);
       int64_t r0 = 0;
-      for (; r0 + 8 <= rows; r0 += 8) row_tiles<8>(w, xq, o, o_end, n, r0, yp);
-      if (rows - r0 >= 4) row_tiles<4>(w, xq, o, o_end, n, r0, yp), r0 += 4;
-      if (rows - r0 >= 2) row_tiles<2>(w, xq, o, o_end, n, r0, yp), r0 += 2;
-      if (rows - r0 >= 1) row_tiles<1>(w, xq, o, o_end, n, r0, yp);
+      for (; r0 + 8 <= rows; r0 += 8) row_tiles<8>(w, xq, o, o_end, r0, yp);
+      if (rows - r0 >= 4) row_tiles<4>(w, xq, o, o_end, r0, yp), r0 += 4;
+      if (rows - r0 >= 2) row_tiles<2>(w, xq, o, o_end, r0, yp), r0 += 2;
+      if (rows - r0 >= 1) row_tiles<1>(w, xq, o, o_end, r0, yp);
     }
   });
   return y;
@@ -254,7 +256,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
               "q4 offsets: as the block scales, contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(1) == (k / kBlock + 1) / 2 * 32,
               "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4), K = ", k);
-  return blocked_linear(x, Q4{{qs.data_ptr<uint8_t>(), n, qs.size(1)}, d.data_ptr<float>(), m.data_ptr<float>(), k / kBlock}, n);
+  const Rows rows{qs.data_ptr<uint8_t>(), n, qs.size(1)};
+  return blocked_linear(x, Q4{rows, d.data_ptr<float>(), m.data_ptr<float>(), k / kBlock});
 }
 
 // x [M, K] float32; qs int8 [N, K] (pack_q8's order); d float32 [ceil(N/8), K/32, 8] -> [M, N] float32
@@ -262,7 +265,8 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const int64_t n = qs.size(0), k = qs.size(1);
   TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous(), "q8 weight: contiguous int8 [N, K]");
   check(x, n, k, d);
-  return blocked_linear(x, Q8{{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k}, d.data_ptr<float>(), k / kBlock}, n);
+  const Rows rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k};
+  return blocked_linear(x, Q8{rows, d.data_ptr<float>(), k / kBlock});
 }
 
 }  // namespace
