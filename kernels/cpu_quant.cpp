@@ -107,16 +107,18 @@ inline __m256i block_dot(__m256i w_lo, __m256i w_hi, const int16_t* x) {
                           _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
 }
 
-// Lane l of the result is the total of s[l]: a transpose that adds as it goes. Integer sums are exact,
-// so an output's block sum is the same whichever tile and lane computed it.
-inline __m256i lane_totals(const __m256i* s) {
-  __m256i p[4];
-  for (int j = 0; j < 4; ++j) {
-    const __m256i a = s[2 * j], b = s[2 * j + 1];
-    p[j] = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
-  }
-  const __m256i q0 = _mm256_add_epi32(_mm256_unpacklo_epi64(p[0], p[1]), _mm256_unpackhi_epi64(p[0], p[1]));
-  const __m256i q1 = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2], p[3]), _mm256_unpackhi_epi64(p[2], p[3]));
+// A transpose that adds as it goes, in three steps so a tile folds its sums as it computes them
+// (8 live vectors of 8 sums would not fit in AVX2's 16 registers with the rest): pair(a, b) holds
+// a's and b's sums in 4 lanes (2 each, per 128-bit half), quad(p, q) 4 outputs' in 2 lanes each,
+// and totals(q0, q1) has lane l the total of output l. Integer sums are exact, so an output's block
+// sum is the same whichever tile and lane computed it.
+inline __m256i pair(__m256i a, __m256i b) {
+  return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+inline __m256i quad(__m256i p, __m256i q) {
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(p, q), _mm256_unpackhi_epi64(p, q));
+}
+inline __m256i totals(__m256i q0, __m256i q1) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
@@ -192,14 +194,29 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, flo
   const __m256i x_index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_lane));
   __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();  // two chains of FMAs, not one
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i s[kLanes];
-    for (int i = 0; i < R; ++i) {
-      __m256i lo, hi;
-      W::widen(rows[i], stride, b, lo, hi);
-      for (int t = 0; t < T; ++t) s[i * T + t] = block_dot(lo, hi, x + t * k + b * kBlock);
+    const int16_t* xb = x + b * kBlock;
+    __m256i q0, q1;  // output l = i * T + t: weight row i times x row t
+    if constexpr (T == 1) {  // 8 rows: sums folded as they come (8 live sums and rows would spill)
+      const auto sum = [&](int i) {
+        __m256i lo, hi;
+        W::widen(rows[i], stride, b, lo, hi);
+        return block_dot(lo, hi, xb);
+      };
+      const auto pair_at = [&](int i) { const __m256i a = sum(i); return pair(a, sum(i + 1)); };
+      const auto quad_at = [&](int i) { const __m256i p = pair_at(i); return quad(p, pair_at(i + 2)); };
+      q0 = quad_at(0), q1 = quad_at(4);
+    } else {  // every sum, then the transpose (measured faster where rows of x share a widened row)
+      __m256i s[kLanes];
+      for (int i = 0; i < R; ++i) {
+        __m256i lo, hi;
+        W::widen(rows[i], stride, b, lo, hi);
+        for (int t = 0; t < T; ++t) s[i * T + t] = block_dot(lo, hi, xb + t * k);
+      }
+      q0 = quad(pair(s[0], s[1]), pair(s[2], s[3]));
+      q1 = quad(pair(s[4], s[5]), pair(s[6], s[7]));
     }
     const __m256 scale = _mm256_mul_ps(lanes<R>(wd + b * kLanes, w_index), lanes<T>(xd + b * xq.stride, x_index));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(s)), scale, acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals(q0, q1)), scale, acc);
     if constexpr (W::kOffset)  // q4's m * sum(x) for the block
       offsets = _mm256_fmadd_ps(lanes<R>(w.m + scales_at + b * kLanes, w_index), lanes<T>(xs + b * xq.stride, x_index),
                                 offsets);
