@@ -30,7 +30,7 @@ class AttentionMetadata:
 
 
 class DecodeGather(NamedTuple):
-    """A decode step's keys as cpu_ops.llama_decode_layer reads them: each sequence's own slots and
+    """A decode step's keys as cpu_ops.llama_decode reads them: each sequence's own slots and
     counts, then per shared prefix its member rows (empty: all), blocks and first block (-1: scattered)."""
 
     slots: Tensor  # [T, L] int64

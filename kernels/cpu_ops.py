@@ -74,7 +74,7 @@ def available() -> bool:
 
 
 # ROSECHAT_CPU_LAYERS (to compare; tests flip the flags): "layers" (default) runs a decode step's
-# Llama layers one call each where they qualify, "ops" the fused small layers from the Python
+# Llama layers in one call where they qualify, "ops" the fused small layers from the Python
 # modules, "torch" ATen's ops only
 _LAYERS = os.environ.get("ROSECHAT_CPU_LAYERS", "layers")
 fused_layers = _LAYERS != "torch"
@@ -206,14 +206,19 @@ def decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, slots: Tensor, c
     return torch.ops.rosechat_layers.decode_attention(q, k_rows, v_rows, slots, counts, scale)
 
 
-def llama_decode_layer(x: Tensor, residual: Tensor, weights: list[Tensor], eps: float, cos: Tensor, sin: Tensor,
-                       k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, att_slots: Tensor,
-                       att_counts: Tensor, prefix_seqs: list[Tensor], prefix_blocks: list[Tensor],
-                       prefix_first: list[int], scale: float, num_heads: int, num_kv_heads: int) -> Tensor:
-    """One Llama layer of a decode-only step (cpu_decode.cpp): residual += x, then norm, attention,
-    norm, MLP; returns the MLP's output. weights: the two norms, then (qs, d, m) of qkv, o, gate_up
-    and down. Attention: each sequence's own keys (att_slots [T, L], att_counts [T]), then each shared
-    prefix (members, empty = all; its blocks; its first block if consecutive, else -1) for all its members."""
-    return torch.ops.rosechat_decode.llama_decode_layer(x, residual, weights, eps, cos, sin, k_cache, v_cache,
-                                                        slot_mapping, att_slots, att_counts, prefix_seqs,
-                                                        prefix_blocks, prefix_first, scale, num_heads, num_kv_heads)
+def llama_decode_weights(weights: list[Tensor], eps: float, scale: float, num_heads: int,
+                         num_kv_heads: int) -> torch.ScriptObject:
+    """A Llama model's decode weights held in C++ for llama_decode: per layer the two norms, then
+    (qs, d, m) of qkv, o, gate_up and down (14 tensors); then the final norm."""
+    return torch.classes.rosechat_decode.LlamaDecodeWeights(weights, eps, scale, num_heads, num_kv_heads)
+
+
+def llama_decode(model: torch.ScriptObject, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
+                 slot_mapping: Tensor, att_slots: Tensor, att_counts: Tensor, prefix_seqs: list[Tensor],
+                 prefix_blocks: list[Tensor], prefix_first: list[int]) -> Tensor:
+    """Every Llama layer of a decode-only step, then the final norm, in one call (cpu_decode.cpp): x [T, H]
+    embedded tokens -> normed hidden states; k_pool / v_pool the whole KV pool [layers, ...]. Attention:
+    each sequence's own keys (att_slots [T, L], att_counts [T]), then each shared prefix (members,
+    empty = all; its blocks; its first block if consecutive, else -1) for all its members."""
+    return torch.ops.rosechat_decode.llama_decode(model, x, cos, sin, k_pool, v_pool, slot_mapping, att_slots,
+                                                  att_counts, prefix_seqs, prefix_blocks, prefix_first)

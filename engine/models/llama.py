@@ -95,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def decode_weights(self) -> list[Tensor] | None:
-        """The tensors cpu_ops.llama_decode_layer takes for this layer: fp32 norms and packed
+        """This layer's tensors for cpu_ops.llama_decode_weights: fp32 norms and packed
         block weights (ours), no biases, no q/k norms, SiLU; None when the layer has anything else."""
         attn, mlp = self.self_attn, self.mlp
         norms = [self.input_layernorm, self.post_attention_layernorm]
@@ -133,25 +133,27 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, residual, rope, meta)
         return self.norm(x, residual)[0]
 
-    def _decode_weights(self) -> list[list[Tensor]] | None:
-        """Every layer's decode_weights, once (packed weights are final after loading); None if a
-        layer has none."""
+    def _decode_weights(self) -> torch.ScriptObject | None:
+        """Every layer's decode_weights and the final norm, held in C++ once (packed weights are final
+        after loading); None if a layer has none or the layers differ in their norms' eps."""
         if not hasattr(self, "_decode_weights_cache"):
             weights = [layer.decode_weights() for layer in self.layers]
-            self._decode_weights_cache = None if any(w is None for w in weights) else weights
+            eps = {n.eps for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+            attn = self.layers[0].self_attn.attn
+            self._decode_weights_cache = None
+            final = self.norm.weight.detach()
+            if all(w is not None for w in weights) and eps == {self.norm.eps} and final.dtype == torch.float32:
+                flat = [t for w in weights for t in w] + [final]
+                self._decode_weights_cache = cpu_ops.llama_decode_weights(flat, self.norm.eps, attn.scale,
+                                                                          attn.num_heads, attn.num_kv_heads)
         return self._decode_weights_cache
 
     def _decode(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata,
-                gather: DecodeGather, weights: list[list[Tensor]]) -> Tensor:
-        """A decode-only CPU step, one call per layer (cpu_decode.cpp): the same kernels as the
-        module path, without its Python. The first layer's residual add is onto zeros."""
-        residual = torch.zeros_like(x)
-        for layer, w in zip(self.layers, weights):
-            attn = layer.self_attn.attn
-            k_cache, v_cache = meta.backend.layers[attn.layer_idx]
-            x = cpu_ops.llama_decode_layer(x, residual, w, layer.input_layernorm.eps, *rope, k_cache, v_cache,
-                                           meta.slot_mapping, *gather, attn.scale, attn.num_heads, attn.num_kv_heads)
-        return self.norm(x, residual)[0]
+                gather: DecodeGather, weights: torch.ScriptObject) -> Tensor:
+        """A decode-only CPU step in one call (cpu_decode.cpp): the same kernels as the module path,
+        without its Python."""
+        backend = meta.backend
+        return cpu_ops.llama_decode(weights, x, *rope, backend.k_cache, backend.v_cache, meta.slot_mapping, *gather)
 
 
 class LlamaForCausalLM(nn.Module):
