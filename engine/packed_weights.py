@@ -164,8 +164,7 @@ class Q4Weight(BlockWeight):
         return cpu_ops.q4_linear(x, self.qs, self.d, self.m)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        qs, d = cpu_ops.unpack_q4(self.qs, self.shape[1], ids), cpu_ops.scale_rows(self.d, ids)
-        return block_rows(qs, d, cpu_ops.scale_rows(self.m, ids)).to(dtype)
+        return cpu_ops.q4_rows(self.qs, self.d, self.m, ids).to(dtype)
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + self.m.nbytes
@@ -185,7 +184,7 @@ class Q8Weight(BlockWeight):
         return cpu_ops.q8_linear(x, self.qs, self.d)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        return block_rows(cpu_ops.unpack_q8(self.qs, ids), cpu_ops.scale_rows(self.d, ids), None).to(dtype)
+        return cpu_ops.q8_rows(self.qs, self.d, ids).to(dtype)
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes

@@ -101,20 +101,6 @@ def interleave_rows(rows: Tensor) -> Tensor:
     return torch.cat((groups, tail)).contiguous()
 
 
-def grouped_rows(packed: Tensor, ids: Tensor) -> Tensor:
-    """interleave_rows' inverse for rows ids (any shape): [*ids.shape, U * 32]."""
-    n, width = packed.shape
-    full, flat = n // 8 * 8, ids.reshape(-1)
-    out = packed.new_empty(flat.numel(), width)
-    grouped = flat < full
-    sel = flat[grouped]
-    out[grouped] = packed[:full].view(n // 8, width // 32, 8, 32)[sel // 8, :, sel % 8].reshape(-1, width)
-    if full < n:
-        sel = flat[~grouped] - full
-        out[~grouped] = packed[full:].view(width // 32, n - full, 32)[:, sel].transpose(0, 1).reshape(-1, width)
-    return out.view(*ids.shape, width)
-
-
 def pack_q4(nibbles: Tensor) -> Tensor:
     """GGML-order q4 bytes [N, K/2] (16 per block of 32) -> q4_linear's layout [N, ceil(K/64) * 32]:
     the blocks in pairs, the pair's bytes interleaved (a lone last block paired with zeros), the rows
@@ -126,26 +112,11 @@ def pack_q4(nibbles: Tensor) -> Tensor:
     return interleave_rows(blocks.view(n, -1, 2, 16).transpose(2, 3).reshape(n, -1))
 
 
-def unpack_q4(packed: Tensor, k: int, ids: Tensor) -> Tensor:
-    """pack_q4's inverse for rows ids: GGML-order bytes [*ids.shape, K/2]."""
-    rows = grouped_rows(packed, ids)
-    lead = rows.shape[:-1]
-    pairs = rows.reshape(*lead, -1, 16, 2).transpose(-1, -2)  # [..., pairs, 2, 16]
-    return pairs.reshape(*lead, -1, 16)[..., : k // 32, :].reshape(*lead, k // 2)
-
-
 def pack_q8(q: Tensor) -> Tensor:
     """int8 [N, K] in blocks of 32 -> q8_linear's order: each block's halves interleaved byte by byte,
     the rows in groups of 8 (interleave_rows)."""
     n, k = q.shape
     return interleave_rows(q.reshape(n, k // 32, 2, 16).transpose(2, 3).reshape(n, k))
-
-
-def unpack_q8(packed: Tensor, ids: Tensor) -> Tensor:
-    """pack_q8's inverse for rows ids: int8 [*ids.shape, K]."""
-    rows = grouped_rows(packed, ids)
-    lead, k = rows.shape[:-1], rows.shape[-1]
-    return rows.reshape(*lead, k // 32, 16, 2).transpose(-1, -2).reshape(*lead, k)
 
 
 def pack_scales(d: Tensor) -> Tensor:
@@ -155,11 +126,6 @@ def pack_scales(d: Tensor) -> Tensor:
     groups = d.float().new_zeros((n + 7) // 8 * 8, nb)
     groups[:n] = d
     return groups.view(-1, 8, nb).transpose(1, 2).contiguous()
-
-
-def scale_rows(groups: Tensor, ids: Tensor) -> Tensor:
-    """pack_scales' rows ids: [..., K/32]."""
-    return groups[ids // 8, :, ids % 8]
 
 
 def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
@@ -172,6 +138,16 @@ def q8_linear(x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs [N, K] int8 in pack_q8's order * d, per block of 32).T -> [M, N] float32;
     d: pack_scales' layout."""
     return torch.ops.rosechat_quant.q8_linear(x, qs, d)
+
+
+def q4_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
+    """Rows ids (int64, any shape) of a q4_linear weight as float32 [*ids.shape, K]."""
+    return torch.ops.rosechat_quant.q4_rows(qs, d, m, ids)
+
+
+def q8_rows(qs: Tensor, d: Tensor, ids: Tensor) -> Tensor:
+    """Rows ids (int64, any shape) of a q8_linear weight as float32 [*ids.shape, K]."""
+    return torch.ops.rosechat_quant.q8_rows(qs, d, ids)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -286,9 +286,72 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return blocked_linear(x, Q8{rows, d.data_ptr<float>(), k / kBlock});
 }
 
+// Rows ids of a packed weight as float32 [ids, K] (an embedding lookup): w = q * d (+ m), rounded as
+// engine/packed_weights.block_rows rounds it from GGML's blocks (a product, then a sum).
+template <typename Row>
+at::Tensor weight_rows(const Rows& rows, int64_t k, const at::Tensor& ids, const Row& row) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids: int64");
+  const at::Tensor flat = ids.reshape(-1).contiguous();
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < flat.numel(); ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows.n, "row ", id[i], " of a weight with ", rows.n, " rows");
+  at::Tensor out = at::empty({flat.numel(), k}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  rosechat::parallel_for(0, flat.numel(), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) row(id[i], o + i * k);
+  });
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  return out.view(shape);
+}
+
+// Block b's scale (or offset) of row r in pack_scales' [ceil(N/8), K/32, 8]
+inline float scale_of(const float* s, int64_t nb, int64_t r, int64_t b) {
+  return s[(r / kLanes * nb + b) * kLanes + r % kLanes];
+}
+
+at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {
+  const int64_t n = qs.size(0), nb = d.size(1), k = nb * kBlock;
+  const Rows rows{qs.data_ptr<uint8_t>(), n, qs.size(1)};
+  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  return weight_rows(rows, k, ids, [&](int64_t r, float* out) {
+    const uint8_t* row = rows.row(r);
+    const int64_t stride = rows.stride(r);
+    for (int64_t b = 0; b < nb; ++b, out += kBlock) {
+      const uint8_t* pair = row + b / 2 * stride;  // byte 2j + (b % 2): byte j of block b in GGML order
+      const float db = scale_of(dp, nb, r, b), mb = scale_of(mp, nb, r, b);
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t v = pair[2 * j + b % 2];
+        out[j] = static_cast<float>(v & 0x0F) * db + mb;
+        out[j + 16] = static_cast<float>(v >> 4) * db + mb;
+      }
+    }
+  });
+}
+
+at::Tensor q8_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& ids) {
+  const int64_t n = qs.size(0), k = qs.size(1), nb = k / kBlock;
+  const Rows rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k};
+  const float* dp = d.data_ptr<float>();
+  return weight_rows(rows, k, ids, [&](int64_t r, float* out) {
+    const uint8_t* row = rows.row(r);
+    const int64_t stride = rows.stride(r);
+    for (int64_t b = 0; b < nb; ++b, out += kBlock) {
+      const int8_t* block = reinterpret_cast<const int8_t*>(row + b * stride);  // byte 2j: j, 2j + 1: j + 16
+      const float db = scale_of(dp, nb, r, b);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = static_cast<float>(block[2 * j]) * db;
+        out[j + 16] = static_cast<float>(block[2 * j + 1]) * db;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rosechat_quant, lib) {
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor", &q4_linear);
   lib.def("q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor", &q8_linear);
+  lib.def("q4_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor", &q4_rows);
+  lib.def("q8_rows(Tensor qs, Tensor d, Tensor ids) -> Tensor", &q8_rows);
 }

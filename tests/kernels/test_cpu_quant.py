@@ -104,17 +104,22 @@ def test_rows_are_independent_of_the_batch(fmt: str) -> None:
 
 @pytest.mark.parametrize("k", [32, 64, 96])
 @pytest.mark.parametrize("n", [5, 16, 21])  # a lone short group, whole groups, both
-def test_pack_q4_and_q8_round_trip(k: int, n: int) -> None:
+def test_packed_rows_read_back_as_the_blocks_dequantized(k: int, n: int) -> None:
+    """An embedding's rows from the packed layouts equal block_rows of the GGML-order blocks, bit for bit."""
+    from engine.packed_weights import block_rows
+
     nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    d, m = torch.randn(n, k // 32), torch.randn(n, k // 32)
     packed = cpu_ops.pack_q4(nibbles)
     assert packed.shape == (n, (k // 32 + 1) // 2 * 32)
-    assert torch.equal(cpu_ops.unpack_q4(packed, k, torch.arange(n)), nibbles)
-    ids = torch.tensor([[3, 1], [n - 1, 0]])  # rows, as an embedding reads them
-    assert torch.equal(cpu_ops.unpack_q4(packed, k, ids), nibbles[ids])
-    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    assert torch.equal(cpu_ops.unpack_q8(cpu_ops.pack_q8(q8), ids), q8[ids])
-    d = torch.rand(n, k // 32)
-    assert torch.equal(cpu_ops.scale_rows(cpu_ops.pack_scales(d), ids), d[ids])
+    for ids in (torch.arange(n), torch.tensor([[3, 1], [n - 1, 0]])):  # every row; rows as a batch of tokens
+        q4 = cpu_ops.q4_rows(packed, cpu_ops.pack_scales(d), cpu_ops.pack_scales(m), ids)
+        assert torch.equal(q4, block_rows(nibbles[ids], d[ids], m[ids]))
+        assert torch.equal(cpu_ops.q8_rows(cpu_ops.pack_q8(q8), cpu_ops.pack_scales(d), ids),
+                           block_rows(q8[ids], d[ids], None))
+    with pytest.raises(RuntimeError, match=f"row {n} of a weight with {n} rows"):
+        cpu_ops.q8_rows(cpu_ops.pack_q8(q8), cpu_ops.pack_scales(d), torch.tensor([0, n]))
 
 
 def test_bad_inputs_are_refused_clearly() -> None:
