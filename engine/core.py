@@ -19,7 +19,7 @@ from engine.events import CacheSnapshot
 from engine.loader import LoadedModel
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
-from engine.sampler import Sampler, SamplingTensors, make_generator
+from engine.sampler import Sampler, SamplingTensors, argmax, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
@@ -227,6 +227,8 @@ class EngineCore:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         params = [s.group.params for s in seqs]
+        if all(p.temperature == 0.0 and p.repetition_penalty == 1.0 for p in params):
+            return argmax(logits).tolist()  # all greedy, the bench's case: no parameter tensors to build
         for s, p in zip(seqs, params):  # a seeded sample's own stream, from its first token on
             if s.generator is None and not p.greedy and p.seed is not None:
                 s.generator = make_generator(p.seed, s.index, self.runner.device)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from engine.sequence import SamplingParams
+from kernels import cpu_ops
 
 _MASK64 = (1 << 64) - 1
 
@@ -104,8 +105,11 @@ def apply_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | No
 
 
 def argmax(logits: Tensor, chunk: int = 256) -> Tensor:
-    """Row-wise argmax (first index of the maximum, as torch.argmax); on CPU per-chunk amax, then within the best
-    chunk: torch's CPU argmax is not vectorised and costs ~9x more on a [64, 49152] batch."""
+    """Row-wise argmax (first index of the maximum, as torch.argmax). On CPU our kernel where it is built,
+    else per-chunk amax, then within the best chunk: torch's CPU argmax is not vectorised and costs ~9x
+    more on a [64, 49152] batch."""
+    if logits.dim() == 2 and logits.shape[-1] and cpu_ops.use_fused(logits):
+        return cpu_ops.argmax_rows(logits.contiguous())
     if logits.device.type != "cpu" or logits.shape[-1] < 4 * chunk:
         return logits.argmax(dim=-1)
     rows, vocab = logits.shape

@@ -182,6 +182,11 @@ def decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, slots: Tensor, c
     return torch.ops.rosechat_layers.decode_attention(q, k_rows, v_rows, slots, counts, scale)
 
 
+def argmax_rows(x: Tensor) -> Tensor:
+    """Each row's first index of its maximum (as torch.argmax: NaN counts as the maximum), x [B, V] float32."""
+    return torch.ops.rosechat_layers.argmax_rows(x)
+
+
 def llama_decode_weights(weights: list[Tensor], eps: float, scale: float, num_heads: int,
                          num_kv_heads: int) -> torch.ScriptObject:
     """A Llama model's decode weights held in C++ for llama_decode: per layer the two norms, then

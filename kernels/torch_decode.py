@@ -9,6 +9,7 @@ them (cascade attention). fp16/bf16 and very long contexts take the sliced prefi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -34,10 +35,18 @@ class SharedPrefix(NamedTuple):
 class _Chunk:
     seqs: torch.Tensor | None  # batch rows, None = all of them in order
     slots: torch.Tensor  # [n * L] pool rows (token slots) to gather
-    mask: torch.Tensor  # [n, 1, 1, L] additive: 0 for a sequence's own keys, -inf past them
     counts: torch.Tensor  # [n] int64: each sequence's own keys (the first of its L slots)
     n: int
     L: int
+    dtype: torch.dtype  # the queries'
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[n, 1, 1, L] additive: 0 for a sequence's own keys, -inf past them (the unfused path's, made
+        at its first layer: the fused kernel reads counts instead)."""
+        past = torch.arange(self.L, device=self.counts.device)[None, :] >= self.counts[:, None]
+        mask = torch.zeros(self.n, 1, 1, self.L, dtype=self.dtype, device=self.counts.device)
+        return mask.masked_fill_(past[:, None, None, :], float("-inf"))
 
 
 @dataclass
@@ -96,12 +105,10 @@ def plan_decode(
         idx = torch.arange(L, device=dev)[None, :]
         first = torch.tensor([skip[b] for b in rows], device=dev)[:, None] if any(skip[b] for b in rows) else 0
         counts = (lens[:, None] - first)[:, 0]  # each sequence's own keys
-        hidden = idx >= counts[:, None]  # past them
         # Positions past a sequence's length re-read its last token (never garbage or another
         # sequence's slot) and are masked out of the softmax.
         slots = _slots(tables, torch.minimum(idx + first, lens[:, None] - 1), bs)
-        mask = torch.zeros(n, 1, 1, L, dtype=dtype, device=dev).masked_fill_(hidden[:, None, None, :], float("-inf"))
-        chunks.append(_Chunk(seqs, slots.flatten(), mask, counts, n, L))
+        chunks.append(_Chunk(seqs, slots.flatten(), counts, n, L, dtype))
         i += n
     return DecodePlan(chunks, prefixes, max(ctx, default=0) * 2 * kv_row > torch_budget.KV_BUDGET)
 

@@ -240,12 +240,21 @@ def test_build_flags_ignore_greedy_rows_and_only_mark_needed_stages():
     assert st.do_top_k and not st.do_top_p and st.any_unseeded
 
 
-def test_two_stage_argmax_matches_torch_including_ties() -> None:
-    from engine.sampler import argmax
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "two-stage"])
+def test_argmax_matches_torch_including_ties_and_nan(kernel: bool, monkeypatch) -> None:
+    from engine import sampler
+    from kernels import cpu_ops
 
+    if kernel and not cpu_ops.available():
+        pytest.skip(f"cpu kernels unavailable: {cpu_ops.unavailable_reason()}")
+    monkeypatch.setattr(cpu_ops, "use_fused", lambda t: kernel)
     g = torch.Generator().manual_seed(0)
-    for vocab in (1000, 4096, 49152, 50257):
+    for vocab in (3, 1000, 4099, 49152, 50257):
         x = torch.randn(13, vocab, generator=g)
-        x[3, 7] = x[3, vocab - 5] = x[3].max() + 1  # a tie: the first index wins, as in torch
+        x[3, 1] = x[3, vocab - 1] = x[3].max() + 1  # a tie: the first index wins, as in torch
         x[5, :] = 0.0  # all equal
-        assert torch.equal(argmax(x), x.argmax(dim=-1))
+        x[6, :] = float("-inf")
+        x[7, vocab // 2] = float("inf")
+        if kernel:  # NaN counts as the maximum in torch (the two-stage path's amax does not promise it)
+            x[8, vocab - 1] = x[8, vocab // 3] = float("nan")
+        assert torch.equal(sampler.argmax(x), x.argmax(dim=-1))
