@@ -242,6 +242,8 @@ def test_decodes_sharing_a_prefix_attend_it_once(llama_dir: str, monkeypatch: py
         return plan(*args)
 
     monkeypatch.setattr(model_runner, "plan_decode", spy)
+    monkeypatch.setattr(model_runner, "MIN_SHARED_KEYS", 64)  # this short prompt qualifies
+    monkeypatch.setattr(model_runner, "MIN_SAVED_KEYS", 64)
     system, *users = random_prompts(12, [100, 3, 9, 17, 30])
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     eng = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256)
@@ -254,10 +256,13 @@ def test_decodes_sharing_a_prefix_attend_it_once(llama_dir: str, monkeypatch: py
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
 
 
-def test_find_shared_prefixes() -> None:
-    from engine.model_runner import MIN_SHARED_KEYS, find_shared_prefixes
+def test_find_shared_prefixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import model_runner
+    from engine.model_runner import find_shared_prefixes
 
-    bs = MIN_SHARED_KEYS // 2
+    bs = 16
+    monkeypatch.setattr(model_runner, "MIN_SHARED_KEYS", bs)
+    monkeypatch.setattr(model_runner, "MIN_SAVED_KEYS", 2 * bs)
     tables = [[5, 6, 7, 1], [5, 6, 7, 2], [5, 6, 3], [9, 4], [9, 8], [5, 6, 7, 0]]
     ctx = [4 * bs, 3 * bs + 1, 2 * bs + 1, 2 * bs, 2 * bs, 2 * bs]
     # the last sequence's current token is in block 1: the group {0, 1, 2, 5} stops there;
@@ -266,6 +271,8 @@ def test_find_shared_prefixes() -> None:
     ctx[5] = 4 * bs
     assert find_shared_prefixes(tables, ctx, bs) == [([0, 1, 2, 5], 2)]
     assert find_shared_prefixes(tables[:1], ctx[:1], bs) == []
+    monkeypatch.setattr(model_runner, "MIN_SHARED_KEYS", 3 * bs)  # a prefix too short to pay
+    assert find_shared_prefixes(tables, ctx, bs) == []
 
 
 def test_chunked_prefill_does_not_stall_decodes(llama_dir: str) -> None:

@@ -174,6 +174,7 @@ def test_a_decode_step_in_one_call_equals_the_module_path_bit_for_bit(tmp_path, 
 
     monkeypatch.setattr(AttentionBackend, "decode_gather", record)
     monkeypatch.setattr(model_runner, "MIN_SHARED_KEYS", 64)  # a 33-block prefix shared by two rows qualifies
+    monkeypatch.setattr(model_runner, "MIN_SAVED_KEYS", 64)
     cases = [([list(range(3, 14))], 1, 0), ([list(range(3, 14)), list(range(20, 31))], 1, 0),
              ([shared], 3, 3),  # three samples over the prompt's blocks: a prefix of every row
              ([shared + [5, 6], list(range(40, 50)), shared + [7, 8]], 1, 2)]  # cached blocks two rows of three share
