@@ -5,7 +5,7 @@
 // scheduled waits a whole time slice (milliseconds) and a decode step of ~200 parallel loops
 // collapses: beside a second torch process on a 2-core machine, 30 layers' linears that take 9 ms
 // on 1 thread took 13 ms on 2, and once 936 ms.
-// Here the loop is cut into a few chunks per thread and every thread, the caller included, claims
+// Here the loop is cut into two chunks per thread and every thread, the caller included, claims
 // the next unclaimed chunk: a thread that is not running claims none and the others do its share;
 // the caller only waits for chunks already being worked on. Idle workers spin briefly (loops of a
 // decode step follow each other within microseconds), then sleep, so they give a busy core back.
@@ -142,10 +142,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (n <= 0) return;
   const int threads = at::get_num_threads();
   const int64_t grains = (n + grain - 1) / grain;
-  // about four chunks a thread: small enough for the others to take over an absent thread's share
-  // (eight: half the caller's wait for the last chunk, but more cold starts on a one-row decode's
-  // streamed weights; one sequence's step measured 0.3 ms slower)
-  const int64_t wanted = std::min<int64_t>({grains, int64_t{4} * threads, 0xffff});
+  // two chunks a thread: the others can take over an absent thread's share, and each chunk streams
+  // through contiguous weights (every chunk start restarts the prefetchers on a decode's weights read
+  // from RAM: four a thread cost 0.1 ms a step at one sequence and 1 ms at eight, eight more still)
+  const int64_t wanted = std::min<int64_t>({grains, int64_t{2} * threads, 0xffff});
   if (threads > 1 && wanted > 1) {
     const int64_t step = (grains + wanted - 1) / wanted * grain;  // whole grains; the last chunk may be short
     const auto body = [](const void* p, int64_t b, int64_t e) { (*static_cast<const F*>(p))(b, e); };
