@@ -227,7 +227,7 @@ class EngineCore:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         params = [s.group.params for s in seqs]
-        if all(p.temperature == 0.0 and p.repetition_penalty == 1.0 for p in params):
+        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
             return argmax(logits).tolist()  # all greedy, the bench's case: no parameter tensors to build
         for s, p in zip(seqs, params):  # a seeded sample's own stream, from its first token on
             if s.generator is None and not p.greedy and p.seed is not None:

@@ -312,8 +312,20 @@ inline float scale_of(const float* s, int64_t nb, int64_t r, int64_t b) {
   return s[(r / kLanes * nb + b) * kLanes + r % kLanes];
 }
 
+// The packed weight's block scales (and offsets) as pack_scales lays them out for n rows, nb blocks
+void check_scales(const at::Tensor& d, int64_t n, int64_t nb) {
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
+                  d.size(1) == nb && d.size(2) == kLanes,
+              "block scales: contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
+}
+
 at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && d.dim() == 3,
+              "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4)");
   const int64_t n = qs.size(0), nb = d.size(1), k = nb * kBlock;
+  TORCH_CHECK(qs.size(1) == (nb + 1) / 2 * 32, "q4 weight: ", qs.size(1), " bytes a row for ", k, " columns");
+  check_scales(d, n, nb);
+  check_scales(m, n, nb);
   const Rows rows{qs.data_ptr<uint8_t>(), n, qs.size(1)};
   const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
   return weight_rows(rows, k, ids, [&](int64_t r, float* out) {
@@ -332,7 +344,10 @@ at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
 }
 
 at::Tensor q8_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& ids) {
+  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % kBlock == 0,
+              "q8 weight: contiguous int8 [N, K], K a multiple of 32 (cpu_ops.pack_q8)");
   const int64_t n = qs.size(0), k = qs.size(1), nb = k / kBlock;
+  check_scales(d, n, nb);
   const Rows rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k};
   const float* dp = d.data_ptr<float>();
   return weight_rows(rows, k, ids, [&](int64_t r, float* out) {
