@@ -55,6 +55,8 @@ class ModelRunner:
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.attention = AttentionBackend(self.k_cache, self.v_cache, backend)
         self.graphs: DecodeGraphs | None = None
+        # decodes attended by the PyTorch kernels (fp32/fp64 cache) get a gather plan built once per step
+        self.plans_decodes = backend == "torch" and dtype in (torch.float32, torch.float64)
         self.last_prepare_s = 0.0  # input preparation time of the latest run (StepStats)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
@@ -108,7 +110,7 @@ class ModelRunner:
             prefill_block_tables=block_tables[nd:].to(dev), prefill_context_lens=context_lens[nd:].to(dev),
             prefill_cu_seqlens_q=(cu[nd:] - cu[nd]).to(torch.int32).to(dev),
         )  # fmt: skip
-        if nd and self.backend == "torch" and self.k_cache.dtype in (torch.float32, torch.float64):
+        if nd and self.plans_decodes:
             meta.decode_plan = self._plan_decode(tables[:nd], [c + 1 for c in starts[:nd]], meta)
         return input_ids.to(dev), positions.to(dev), meta, logits_index.to(dev)
 
@@ -118,12 +120,13 @@ class ModelRunner:
         ~0.15 ms)."""
         dev, bs, shift = self.device, self.block_size, self.block_size.bit_length() - 1
         pos = [s.num_computed_tokens for s in seqs]
+        ctx = [p + 1 for p in pos]
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
         ints = torch.tensor([
             [s.token_ids[p] for s, p in zip(seqs, pos)], pos,
             [(t[p >> shift] << shift) | (p & (bs - 1)) for t, p in zip(tables, pos)],  # slots
-            [p + 1 for p in pos],  # context lengths
+            ctx,
             list(range(len(seqs))),  # every row samples: its token is its sequence's last
         ], dtype=torch.int64).to(dev)
         input_ids, positions, slots, context_lens, logits_index = ints
@@ -134,8 +137,8 @@ class ModelRunner:
             prefill_context_lens=context_lens[:0].to(torch.int32),
             prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=dev),
         )  # fmt: skip
-        if self.backend == "torch" and self.k_cache.dtype in (torch.float32, torch.float64):
-            meta.decode_plan = self._plan_decode(tables, [p + 1 for p in pos], meta)
+        if self.plans_decodes:
+            meta.decode_plan = self._plan_decode(tables, ctx, meta)
         return input_ids, positions, meta, logits_index
 
     def _plan_decode(self, tables: list[list[int]], context_lens: list[int], meta: AttentionMetadata) -> DecodePlan:

@@ -256,36 +256,51 @@ at::Tensor blocked_linear(const at::Tensor& x, const W& w) {
   return y;
 }
 
-void check(const at::Tensor& x, int64_t n, int64_t k, const at::Tensor& d) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(x.size(1) == k && k % kBlock == 0, "x has ", x.size(1), " columns; the weight takes ", k);
+// A packed weight's block scales (or q4's offsets) for n rows of nb blocks, as pack_scales lays them out
+void check_scales(const at::Tensor& d, int64_t n, int64_t nb, const char* what) {
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
-                  d.size(1) == k / kBlock && d.size(2) == kLanes,
-              "block scales: contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
+                  d.size(1) == nb && d.size(2) == kLanes,
+              what, ": contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
 }
 
-// x [M, K] float32; qs uint8 [N, ceil(K/64) * 32] (block pairs); d and m float32 [ceil(N/8), K/32, 8]
-// -> [M, N] float32
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+// qs uint8 [N, ceil(K/64) * 32] (block pairs, cpu_ops.pack_q4); d and m float32 [ceil(N/8), K/32, 8]
+Q4 q4_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   TORCH_CHECK(d.dim() == 3 && qs.dim() == 2, "q4 weight [N, ceil(K/64) * 32], block scales [ceil(N/8), K/32, 8] "
               "(cpu_ops.pack_scales)");
-  const int64_t n = qs.size(0), k = d.size(1) * kBlock;  // the scales count the blocks
-  check(x, n, k, d);
-  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous(),
-              "q4 offsets: as the block scales, contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(1) == (k / kBlock + 1) / 2 * 32,
-              "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4), K = ", k);
-  const Rows rows{qs.data_ptr<uint8_t>(), n, qs.size(1)};
-  return blocked_linear(x, Q4{rows, d.data_ptr<float>(), m.data_ptr<float>(), k / kBlock});
+  const int64_t n = qs.size(0), nb = d.size(1);  // the scales count the blocks
+  check_scales(d, n, nb, "block scales");
+  check_scales(m, n, nb, "q4 offsets");
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(1) == (nb + 1) / 2 * 32,
+              "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4), K = ", nb * kBlock);
+  return Q4{Rows{qs.data_ptr<uint8_t>(), n, qs.size(1)}, d.data_ptr<float>(), m.data_ptr<float>(), nb};
 }
 
-// x [M, K] float32; qs int8 [N, K] (pack_q8's order); d float32 [ceil(N/8), K/32, 8] -> [M, N] float32
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+// qs int8 [N, K] (cpu_ops.pack_q8's order); d float32 [ceil(N/8), K/32, 8]
+Q8 q8_weight(const at::Tensor& qs, const at::Tensor& d) {
+  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % kBlock == 0,
+              "q8 weight: contiguous int8 [N, K], K a multiple of 32 (cpu_ops.pack_q8)");
   const int64_t n = qs.size(0), k = qs.size(1);
-  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous(), "q8 weight: contiguous int8 [N, K]");
-  check(x, n, k, d);
-  const Rows rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k};
-  return blocked_linear(x, Q8{rows, d.data_ptr<float>(), k / kBlock});
+  check_scales(d, n, k / kBlock, "block scales");
+  return Q8{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k}, d.data_ptr<float>(), k / kBlock};
+}
+
+void check_x(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns; the weight takes ", k);
+}
+
+// x [M, K] float32 @ the q4 weight (q4_weight) -> [M, N] float32
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  const Q4 w = q4_weight(qs, d, m);
+  check_x(x, w.nb * kBlock);
+  return blocked_linear(x, w);
+}
+
+// x [M, K] float32 @ the q8 weight (q8_weight) -> [M, N] float32
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  const Q8 w = q8_weight(qs, d);
+  check_x(x, w.nb * kBlock);
+  return blocked_linear(x, w);
 }
 
 // Rows ids of a packed weight as float32 [ids, K] (an embedding lookup): w = q * d (+ m), rounded as
@@ -312,28 +327,15 @@ inline float scale_of(const float* s, int64_t nb, int64_t r, int64_t b) {
   return s[(r / kLanes * nb + b) * kLanes + r % kLanes];
 }
 
-// The packed weight's block scales (and offsets) as pack_scales lays them out for n rows, nb blocks
-void check_scales(const at::Tensor& d, int64_t n, int64_t nb) {
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
-                  d.size(1) == nb && d.size(2) == kLanes,
-              "block scales: contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
-}
-
 at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && d.dim() == 3,
-              "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4)");
-  const int64_t n = qs.size(0), nb = d.size(1), k = nb * kBlock;
-  TORCH_CHECK(qs.size(1) == (nb + 1) / 2 * 32, "q4 weight: ", qs.size(1), " bytes a row for ", k, " columns");
-  check_scales(d, n, nb);
-  check_scales(m, n, nb);
-  const Rows rows{qs.data_ptr<uint8_t>(), n, qs.size(1)};
-  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
-  return weight_rows(rows, k, ids, [&](int64_t r, float* out) {
-    const uint8_t* row = rows.row(r);
-    const int64_t stride = rows.stride(r);
+  const Q4 w = q4_weight(qs, d, m);
+  const int64_t nb = w.nb;
+  return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
+    const uint8_t* row = w.row(r);
+    const int64_t stride = w.stride(r);
     for (int64_t b = 0; b < nb; ++b, out += kBlock) {
       const uint8_t* pair = row + b / 2 * stride;  // byte 2j + (b % 2): byte j of block b in GGML order
-      const float db = scale_of(dp, nb, r, b), mb = scale_of(mp, nb, r, b);
+      const float db = scale_of(w.d, nb, r, b), mb = scale_of(w.m, nb, r, b);
       for (int j = 0; j < 16; ++j) {
         const uint8_t v = pair[2 * j + b % 2];
         out[j] = static_cast<float>(v & 0x0F) * db + mb;
@@ -344,18 +346,14 @@ at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
 }
 
 at::Tensor q8_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& ids) {
-  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % kBlock == 0,
-              "q8 weight: contiguous int8 [N, K], K a multiple of 32 (cpu_ops.pack_q8)");
-  const int64_t n = qs.size(0), k = qs.size(1), nb = k / kBlock;
-  check_scales(d, n, nb);
-  const Rows rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k};
-  const float* dp = d.data_ptr<float>();
-  return weight_rows(rows, k, ids, [&](int64_t r, float* out) {
-    const uint8_t* row = rows.row(r);
-    const int64_t stride = rows.stride(r);
+  const Q8 w = q8_weight(qs, d);
+  const int64_t nb = w.nb;
+  return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
+    const uint8_t* row = w.row(r);
+    const int64_t stride = w.stride(r);
     for (int64_t b = 0; b < nb; ++b, out += kBlock) {
       const int8_t* block = reinterpret_cast<const int8_t*>(row + b * stride);  // byte 2j: j, 2j + 1: j + 16
-      const float db = scale_of(dp, nb, r, b);
+      const float db = scale_of(w.d, nb, r, b);
       for (int j = 0; j < 16; ++j) {
         out[j] = static_cast<float>(block[2 * j]) * db;
         out[j + 16] = static_cast<float>(block[2 * j + 1]) * db;

@@ -120,7 +120,7 @@ def test_packed_rows_read_back_as_the_blocks_dequantized(k: int, n: int) -> None
                            block_rows(q8[ids], d[ids], None))
     with pytest.raises(RuntimeError, match=f"row {n} of a weight with {n} rows"):
         cpu_ops.q8_rows(cpu_ops.pack_q8(q8), cpu_ops.pack_scales(d), torch.tensor([0, n]))
-    with pytest.raises(RuntimeError, match="block scales"):  # scales of another shape: refused, not read past
+    with pytest.raises(RuntimeError, match="q4 offsets"):  # offsets of another shape: refused, not read past
         cpu_ops.q4_rows(packed, cpu_ops.pack_scales(d), torch.zeros((n + 7) // 8 + 1, k // 32, 8), torch.tensor([0]))
 
 
