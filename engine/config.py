@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from engine import defaults
+
 _CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
 _CUDA_KV_FRACTION = 0.8  # of free device memory after loading the weights
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Does this CPU compute in bfloat16 natively (AVX-512 BF16 or AMX)? Without it, bf16 math is
-    emulated through fp32 and slower than fp32 itself. Linux reports it in /proc/cpuinfo."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass
 class EngineConfig:
     model: str = "demo"
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    quantization: str = "none"  # none | auto | int8 | int4: weights kept packed on the CPU (engine/quant.py)
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (engine/defaults.py resolves auto)
+    quantization: str = "auto"  # auto | none | int8 | int4: weights kept packed on the CPU (engine/quant.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | triton
     block_size: int = 16
@@ -51,28 +39,11 @@ class EngineConfig:
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        d = defaults.resolve(self.device, self.dtype, self.quantization, self.attention_backend)
+        self.device, self.dtype, self.quantization, self.attention_backend = (
+            d.device, d.dtype, d.quantization, d.attention_backend)
+        self.reason = d.reason  # why this dtype and these kernels (EngineInfo shows it)
         on_cuda = self.device.startswith("cuda")
-        if on_cuda and not torch.cuda.is_available():
-            raise ValueError(
-                f"device {self.device!r} requested but CUDA is not available to torch {torch.__version__}; "
-                "use device 'cpu' or 'auto'"
-            )
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if on_cuda or cpu_has_bf16() else "float32"
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.quantization not in ("none", "auto", "int8", "int4"):
-            raise ValueError(f"quantization must be none, auto, int8 or int4; got {self.quantization!r}")
-        if self.quantization == "auto" and on_cuda:
-            self.quantization = "none"  # packed kernels are CPU-only: "auto" dequantizes elsewhere
-        if self.quantization != "none" and on_cuda:
-            raise ValueError(f"quantization {self.quantization!r} runs on the CPU only; use 'none' or 'auto' on CUDA")
-        if self.attention_backend == "auto":
-            self.attention_backend = "triton" if on_cuda else "torch"
-        if self.attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
         if self.attention_backend == "triton" and not on_cuda:
             from kernels import triton_status
 
@@ -90,7 +61,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def resolve_num_blocks(self, block_bytes: int) -> int:
         if self.num_blocks is not None:

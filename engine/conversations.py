@@ -58,8 +58,9 @@ class LLMEngine(EngineCore):
         """`model`: a GGUF file, a Hugging Face folder or hub id, a packaged model, "demo" (or a
         ModelSource from resolve_model). `progress` gets a line on how far loading is."""
         config = EngineConfig(model=str(getattr(model, "name", model)), **overrides)
+        # quantization not given: the ModelSource's own (the app's config sets it), else "auto"
         loaded = load_model(model, dtype=config.torch_dtype, device=torch.device(config.device), progress=progress,
-                            quantization=overrides.get("quantization"))  # not given: the ModelSource's own
+                            quantization=overrides.get("quantization"))
         return cls(loaded, config)
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:

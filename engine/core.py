@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampler import Sampler, SamplingTensors, argmax, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -49,6 +52,7 @@ class EngineInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's own sampling settings
     generation_source: str = ""  # "generation_config.json", "GGUF metadata" or "" (none)
     kv_block_bytes: int = 0  # one block's K and V, all layers
+    reason: str = ""  # why this dtype and these kernels (engine/defaults.py)
 
 
 @dataclass
@@ -77,7 +81,11 @@ def _penalised(seq: Sequence) -> list[int]:
 class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded, self.config, self.tokenizer = loaded, config, loaded.tokenizer
-        device, dtype = torch.device(config.device), config.torch_dtype
+        # The KV cache holds what the model computes: the loaded model's dtype, whatever the config said
+        device, dtype = torch.device(config.device), loaded.dtype
+        if dtype != config.torch_dtype:
+            log.info("KV cache in %s, the loaded model's dtype (the config said %s)", dtype, config.dtype)
+            config.dtype = str(dtype).removeprefix("torch.")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         layers, bs, kv_heads, head_dim = loaded.num_layers, config.block_size, loaded.num_kv_heads, loaded.head_dim
@@ -110,7 +118,7 @@ class EngineCore:
         c = self.config
         return EngineInfo(
             name=self.loaded.name, is_demo=self.loaded.is_demo, device=c.device,
-            dtype=str(c.torch_dtype).removeprefix("torch."), backend=c.attention_backend,
+            dtype=c.dtype, backend=c.attention_backend, reason=c.reason,
             num_blocks=self.block_manager.num_blocks, block_size=c.block_size, max_model_len=self.max_model_len,
             generation_defaults=dict(self.loaded.generation_defaults), generation_source=self.loaded.generation_source,
             kv_block_bytes=self.kv_block_bytes,

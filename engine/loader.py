@@ -10,6 +10,7 @@ package (see gguf_file.py). `transformers` gives the config, tokenizer and chat 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -19,8 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine import demo, quant
-from engine.config import cpu_has_bf16
+from engine import defaults, demo, quant
 from engine.gguf_file import GGUFModel
 from engine.model_source import (  # noqa: F401  (re-exported: engine.loader is where they were)
     PACKAGED_MODELS,
@@ -34,7 +34,6 @@ from engine.model_source import (  # noqa: F401  (re-exported: engine.loader is 
 )
 from engine.models import get_model_class
 from engine.models.layers import MergedLinear
-from engine.quant import MODES as QUANT_MODES
 
 Progress = Callable[[str], None]  # a line saying how far loading is
 
@@ -59,11 +58,16 @@ class LoadedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     generation_source: str = ""
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: its floating-point parameters' (packed weights keep their norms in it)."""
+        return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+
 
 def load_model(
     model: str | ModelSource,
-    dtype: torch.dtype | str = torch.float32,
-    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "auto",
     progress: Progress | None = None,
     quantization: str | None = None,
 ) -> LoadedModel:
@@ -73,14 +77,12 @@ def load_model(
     `quantization` (engine/quant.py): "none" dequantizes a GGUF file's weights to `dtype`; "int4" /
     "int8" keep every linear layer (and a tied head's embedding) packed; "auto" keeps each GGUF
     tensor's precision class (Q4 -> int4, Q8_0 -> int8, float -> dense). None: the source's own
-    setting (ModelSource.quantization, "none" unless set)."""
+    setting (ModelSource.quantization, "auto" unless set). "auto" dtype, device and quantization are
+    resolved by engine/defaults.py, as for every entry point."""
     source = model if isinstance(model, ModelSource) else resolve_model(str(model))
-    device = torch.device(device)
-    dtype = resolve_dtype(dtype, device)
+    d = defaults.resolve(str(device), dtype, quantization or source.quantization)
+    device, dtype, quantization = torch.device(d.device), d.torch_dtype, d.quantization
     say = progress or (lambda _: None)
-    quantization = quantization or source.quantization
-    if quantization not in QUANT_MODES:
-        raise ValueError(f"quantization must be one of {', '.join(QUANT_MODES)}; got {quantization!r}")
     if quantization == "auto" and not quant.kernels_available(device):
         quantization = "none"  # "auto" packs only where there are kernels for it: dequantize elsewhere
     if source.kind == "demo":
@@ -127,12 +129,14 @@ def _load_gguf(
     load_weights(net, gguf.iter_tensors(net, config, step, raw=raw), where=source.path.name)
     if raw:
         quant.release_freed_memory()
-        quant.drop_mapped_pages(gguf.reader.data)  # every packed weight is a copy: none reads the map
     if (factors := gguf.rope_factors()) is not None:  # only Llama-family files carry them
         try:
             net.model.rotary.divide_frequencies(factors)
         except ValueError as e:
             raise WeightLoadError(f"{source.path.name}: rope_freqs.weight does not fit: {e}") from e
+    # every weight is a copy (packed or dense), none reads the map: drop what reading faulted in
+    # again (staged shards, rope_freqs), so the weights are resident once
+    quant.drop_mapped_pages(gguf.reader.data)
     net.eval()
     eos = [i for i in [*gguf.eos_token_ids(), tokenizer.eos_token_id] if i is not None]
     loaded = _loaded(net, config, tokenizer, source.display_name, False, list(dict.fromkeys(eos)))
@@ -141,21 +145,11 @@ def _load_gguf(
     return loaded
 
 
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
-    """torch dtype from a dtype or a name ("float32", "bf16", "auto": bfloat16 on CUDA and on CPUs
-    that compute in it natively, float32 on other CPUs)."""
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> torch.dtype:
+    """torch dtype from a dtype or a name ("float32", "bf16", "auto": engine/defaults.py's choice)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = dtype.lower().removeprefix("torch.")
-    if name == "auto":
-        if device.type != "cuda":
-            return torch.bfloat16 if cpu_has_bf16() else torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
-    result = getattr(torch, aliases.get(name, name), None)
-    if not isinstance(result, torch.dtype) or not result.is_floating_point:
-        raise ValueError(f"unsupported dtype {dtype!r} (use float32, bfloat16, float16 or auto)")
-    return result
+    return defaults.resolve(str(torch.device(device)), dtype, "none").torch_dtype
 
 
 def _plan_packing(
@@ -216,9 +210,29 @@ def build_model(config: Any, dtype: torch.dtype, device: torch.device) -> nn.Mod
     Built on the meta device first, so no memory is spent on (or time on initialising) weights
     that the checkpoint overwrites. Inference only: parameters do not require grad."""
     cls = get_model_class(config)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = cls(config)
     return model.to(dtype).to_empty(device=device).requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn.init's in-place initialisers as no-ops while modules are built on meta. Not only
+    wasted work: normal_ (nn.Embedding's) on a meta tensor runs torch's Python reference, whose
+    first call imports torch._dynamo and with it Triton, about 100 MiB resident (93 MiB of
+    libtriton.so's pages) that nothing after the load needs. (transformers' no_init_weights does
+    the same.)"""
+    from torch.nn import init
+
+    saved = {name: fn for name, fn in vars(init).items() if name.endswith("_") and not name.startswith("_")
+             and callable(fn)}
+    for name in saved:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, Tensor, str]]:

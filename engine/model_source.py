@@ -48,7 +48,7 @@ class ModelSource:
     kind: str  # "demo", "hf" (a folder with config.json) or "gguf"
     path: Path | None = None
     gguf: GGUFModel | None = None  # the opened file (its metadata is read once)
-    quantization: str = "none"  # load_model's default for it: none | auto | int8 | int4 (engine/quant.py)
+    quantization: str = "auto"  # load_model's default for it: auto | none | int8 | int4 (engine/quant.py)
 
     @property
     def display_name(self) -> str:

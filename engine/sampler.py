@@ -1,6 +1,11 @@
 """Next tokens from one step's logits, vectorised over the batch with per-row parameters. Order as in HF
-`generate` and vLLM: repetition penalty, greedy argmax, temperature, top-k and top-p (one shared sort), min-p,
-then an exponential-race draw. A stage runs only when some row needs it: an all-greedy batch is one argmax."""
+`generate` and vLLM: repetition penalty, greedy argmax, temperature, top-k, top-p, min-p, then the draw:
+one uniform u per row (from the row's own generator when seeded) picks the token where the kept tokens'
+running weight, in vocabulary order, passes u times their total.
+
+On the CPU one C++ call does it all (kernels/cpu_layers.cpp: sample_rows, no sort of the vocabulary, no
+random number per token), so any setting costs about what greedy does; elsewhere (CUDA, no kernels) the
+same stages run as torch ops, a stage only when some row needs it."""
 
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class SamplingTensors:
     """One step's per-row sampling parameters as [B] tensors, plus flags to skip unused stages."""
 
     temperatures: Tensor  # [B] float32; 1.0 on greedy rows (they take the argmax instead)
+    kernel_temperatures: Tensor  # [B] float32; 0.0 on greedy rows (sample_rows' greedy mark)
     top_ks: Tensor  # [B] int64; 0 = off
     top_ps: Tensor  # [B] float32; 1.0 = off
     min_ps: Tensor  # [B] float32; 0.0 = off
@@ -59,9 +65,10 @@ class SamplingTensors:
         min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         penalties = [p.repetition_penalty for p in params]  # applies to greedy rows too (as in HF)
         # One host->device copy for all float parameters.
-        floats = torch.tensor([temps, top_ps, min_ps, penalties], dtype=torch.float32).to(device)
+        kernel_temps = [0.0 if g else t for t, g in zip(temps, greedy)]
+        floats = torch.tensor([temps, top_ps, min_ps, penalties, kernel_temps], dtype=torch.float32).to(device)
         return cls(
-            temperatures=floats[0], top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device), top_ps=floats[1],
+            temperatures=floats[0], kernel_temperatures=floats[4], top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device), top_ps=floats[1],
             min_ps=floats[2], repetition_penalties=floats[3], greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             all_greedy=all(greedy), any_greedy=any(greedy), do_top_k=any(k > 0 for k in top_ks),
@@ -121,14 +128,47 @@ def argmax(logits: Tensor, chunk: int = 256) -> Tensor:
     return best_chunk * chunk + within
 
 
+def uniforms(st: SamplingTensors) -> Tensor:
+    """One draw in [0, 1) per row, float64: seeded rows from their own generator, so their tokens do not
+    depend on the rest of the batch; greedy rows get one too (unused) to keep the others' streams apart."""
+    u = torch.empty(len(st.generators), dtype=torch.float64, device=st.temperatures.device)
+    if st.any_unseeded or st.all_greedy:
+        u.uniform_()
+    for row, gen in enumerate(st.generators):
+        if gen is not None:
+            u[row : row + 1].uniform_(generator=gen)
+    return u
+
+
+def flat_seen(seen_token_ids: list[list[int]] | None, rows: int) -> tuple[Tensor, Tensor]:
+    """Each row's seen ids, concatenated, and the rows' offsets into them ([rows + 1])."""
+    if seen_token_ids is None:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(rows + 1, dtype=torch.int64)
+    offsets = [0]
+    for ids in seen_token_ids:
+        offsets.append(offsets[-1] + len(ids))
+    flat = [t for ids in seen_token_ids for t in ids]
+    return torch.tensor(flat, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+
+
 class Sampler:
     def __call__(self, logits: Tensor, st: SamplingTensors, seen_token_ids: list[list[int]] | None = None) -> Tensor:
         """Next token per row: [B] int64. seen_token_ids (prompt + output, per row) is needed only
-        when some row has a repetition penalty."""
+        when some row has a repetition penalty. Logits are left as they are."""
+        if st.do_penalties and seen_token_ids is None:
+            raise ValueError("repetition_penalty needs seen_token_ids")
+        if st.all_greedy and not st.do_penalties:
+            return argmax(logits)
+        if logits.dim() == 2 and logits.shape[-1] and cpu_ops.use_fused(logits):
+            seen, offsets = flat_seen(seen_token_ids if st.do_penalties else None, logits.shape[0])
+            return cpu_ops.sample_rows(logits.contiguous(), seen, offsets, st.repetition_penalties, st.kernel_temperatures,
+                                       st.top_ks, st.top_ps, st.min_ps, uniforms(st))
+        return self._sample_torch(logits, st, seen_token_ids)
+
+    @staticmethod
+    def _sample_torch(logits: Tensor, st: SamplingTensors, seen_token_ids: list[list[int]] | None) -> Tensor:
         if st.do_penalties:
-            if seen_token_ids is None:
-                raise ValueError("repetition_penalty needs seen_token_ids")
-            logits = apply_repetition_penalty(logits.float(), seen_token_ids, st.repetition_penalties)
+            logits = apply_repetition_penalty(logits.float(), seen_token_ids or [], st.repetition_penalties)
         if st.all_greedy:
             return argmax(logits)
         greedy_tokens = argmax(logits) if st.any_greedy else None
@@ -139,21 +179,15 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         if st.do_min_p:  # zero tokens below min_p times the row's top probability (the draw needs no normalising)
             probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * st.min_ps[:, None], 0.0)
-        tokens = self._draw(probs, st.generators, st.any_unseeded)
+        tokens = Sampler._draw_torch(probs, uniforms(st))
         if greedy_tokens is not None:
             tokens = torch.where(st.greedy, greedy_tokens, tokens)
         return tokens
 
     @staticmethod
-    def _draw(probs: Tensor, generators: list[torch.Generator | None], any_unseeded: bool) -> Tensor:
-        """Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), picks i with probability p_i (unnormalised is fine).
-        Seeded rows draw from their own generator, so their tokens do not depend on the rest of the batch."""
-        noise = torch.empty_like(probs)
-        if any_unseeded:
-            noise.exponential_()
-        for row, gen in enumerate(generators):
-            if gen is not None:
-                noise[row].exponential_(generator=gen)
-        # Exp(1) can round to 0; clamping keeps p = 0 tokens at 0 instead of NaN.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+    def _draw_torch(probs: Tensor, u: Tensor) -> Tensor:
+        """The token where the running weight (vocabulary order) first passes u times the total (unnormalised
+        is fine; tokens of weight 0 are never picked)."""
+        cum = probs.double().cumsum(dim=-1)
+        target = (u * cum[:, -1])[:, None]
+        return torch.searchsorted(cum, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)

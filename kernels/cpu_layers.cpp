@@ -362,6 +362,168 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+
+// ---- sampling: one call per step, every row's penalty, temperature, top-k, top-p, min-p and draw ----
+//
+// The stages as HF's logits processors and engine/sampler.py order them, without a sort of the whole
+// vocabulary or a random number per token: exp((l - max) / T) once per token (vectorised); top-k by
+// partial selection; top-p on the few tokens that can be in the nucleus (a token whose weight is at
+// most (1 - p) * Z / n can never be: those together weigh at most (1 - p) * Z), cut down further by
+// bisection on the weight while many remain, then sorted; min-p against the top token's weight (1).
+// The draw walks the kept tokens in vocabulary order to u * (their total): one uniform u per row,
+// from the row's own generator, as Sampler._draw_torch does.
+
+struct Cand {
+  float w;
+  int64_t id;
+};
+
+int64_t sample_penalised(float* x, int64_t n, float temperature, int64_t top_k, float top_p, float min_p, double u,
+                         std::vector<float>& w, std::vector<Cand>& cand);
+
+// The row's penalised logits are written in place for the sampling and put back after it: the caller's
+// logits stay as they were without a copy of the vocabulary.
+int64_t sample_row(float* x, int64_t n, const int64_t* seen, int64_t n_seen, float penalty, float temperature,
+                   int64_t top_k, float top_p, float min_p, double u, std::vector<float>& w,
+                   std::vector<Cand>& cand) {
+  if (penalty == 1.0f || n_seen == 0) return sample_penalised(x, n, temperature, top_k, top_p, min_p, u, w, cand);
+  thread_local std::vector<float> old;  // HF: gather every seen logit first, so a repeated id counts once
+  old.resize(n_seen);
+  for (int64_t j = 0; j < n_seen; ++j) old[j] = x[seen[j]];
+  for (int64_t j = 0; j < n_seen; ++j) x[seen[j]] = old[j] > 0 ? old[j] / penalty : old[j] * penalty;
+  const int64_t token = sample_penalised(x, n, temperature, top_k, top_p, min_p, u, w, cand);
+  for (int64_t j = n_seen - 1; j >= 0; --j) x[seen[j]] = old[j];  // backwards: a repeat's first read wins
+  return token;
+}
+
+int64_t sample_penalised(float* x, int64_t n, float temperature, int64_t top_k, float top_p, float min_p, double u,
+                         std::vector<float>& w, std::vector<Cand>& cand) {
+  if (temperature == 0.0f) return row_argmax(x, n);
+  const int64_t top = row_argmax(x, n);
+  const float mx = x[top];
+  if (!(mx > -INFINITY)) return top;  // every logit -inf (or NaN): nothing to weigh
+  // weights relative to the top token (whose weight is 1): exp((x - max) / T), 0 for -inf
+  w.resize(n);
+  const float inv_t = 1.0f / temperature;
+  const __m256 vmax = _mm256_set1_ps(mx), vinv = _mm256_set1_ps(inv_t), floor = _mm256_set1_ps(-87.0f);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 z = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax), vinv);
+    const __m256 e = _mm256_and_ps(exp8(z), _mm256_cmp_ps(z, floor, _CMP_GE_OQ));
+    _mm256_storeu_ps(w.data() + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  double total = hsum(acc);
+  for (; i < n; ++i) {
+    const float z = (x[i] - mx) * inv_t;
+    w[i] = z >= -87.0f ? exp1(z) : 0.0f;
+    total += w[i];
+  }
+  const float keep_from = min_p > 0.0f ? min_p : 0.0f;  // min-p: weight below min_p * 1 is dropped
+  cand.clear();
+  if (top_k > 0 && top_k < n) {  // top-k: the k heaviest (ties: any k of them, as a sort would)
+    cand.resize(n);
+    for (int64_t j = 0; j < n; ++j) cand[j] = {w[j], j};
+    std::nth_element(cand.begin(), cand.begin() + (top_k - 1), cand.end(),
+                     [](const Cand& a, const Cand& b) { return a.w > b.w; });
+    cand.resize(top_k);
+    total = 0.0;
+    for (const Cand& c : cand) total += c.w;
+  }
+  if (top_p < 1.0f) {
+    const double need = top_p * total;  // the nucleus: tokens while the mass before them is < need
+    if (cand.empty()) {
+      const float eps = static_cast<float>((1.0 - top_p) * total / n);
+      for (int64_t j = 0; j < n; ++j)
+        if (w[j] > eps) cand.push_back({w[j], j});
+    }
+    float lo = 0.0f, hi = 1.0f;  // the mass above lo reaches need; above hi it does not
+    for (int it = 0; cand.size() > 256 && it < 32; ++it) {
+      const float mid = 0.5f * (lo + hi);
+      double above = 0.0;
+      for (const Cand& c : cand) above += c.w > mid ? c.w : 0.0f;
+      if (above >= need) {
+        lo = mid;
+        cand.erase(std::remove_if(cand.begin(), cand.end(), [mid](const Cand& c) { return c.w <= mid; }),
+                   cand.end());
+      } else {
+        hi = mid;
+      }
+    }
+    std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) { return a.w > b.w; });
+    double before = 0.0;
+    size_t kept = 0;
+    while (kept < cand.size() && (kept == 0 || before < need)) before += cand[kept++].w;
+    cand.resize(kept);
+  }
+  if (!cand.empty()) {  // the kept few, in vocabulary order
+    std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) { return a.id < b.id; });
+    double mass = 0.0;
+    for (const Cand& c : cand) mass += c.w >= keep_from ? c.w : 0.0f;
+    const double target = u * mass;
+    double run = 0.0;
+    int64_t last = cand.front().id;
+    for (const Cand& c : cand) {
+      if (c.w < keep_from || c.w <= 0.0f) continue;
+      last = c.id;
+      run += c.w;
+      if (run > target) return c.id;
+    }
+    return last;  // u * mass rounded past the end
+  }
+  double mass = 0.0;
+  if (keep_from > 0.0f) {
+    for (int64_t j = 0; j < n; ++j) mass += w[j] >= keep_from ? w[j] : 0.0f;
+  } else {
+    mass = total;
+  }
+  const double target = u * mass;
+  double run = 0.0;
+  int64_t last = top;
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = w[j];
+    if (v < keep_from || v <= 0.0f) continue;
+    last = j;
+    run += v;
+    if (run > target) return j;
+  }
+  return last;
+}
+
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& seen, const at::Tensor& seen_offsets,
+                       const at::Tensor& penalties, const at::Tensor& temperatures, const at::Tensor& top_ks,
+                       const at::Tensor& top_ps, const at::Tensor& min_ps, const at::Tensor& uniforms) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.is_contiguous(), "logits: contiguous [rows, n]");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  for (const at::Tensor* t : {&penalties, &temperatures, &top_ps, &min_ps})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == rows && t->is_contiguous(), "per-row float32 [rows]");
+  TORCH_CHECK(top_ks.scalar_type() == at::kLong && top_ks.numel() == rows, "top_ks: int64 [rows]");
+  TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.numel() == rows, "uniforms: float64 [rows]");
+  TORCH_CHECK(seen.scalar_type() == at::kLong && seen_offsets.scalar_type() == at::kLong &&
+              seen_offsets.numel() == rows + 1 && seen.is_contiguous(), "seen: int64 ids, seen_offsets [rows + 1]");
+  const int64_t* off = seen_offsets.data_ptr<int64_t>();
+  const int64_t* ids = seen.data_ptr<int64_t>();
+  TORCH_CHECK(off[rows] <= seen.numel(), "seen_offsets past the ids");
+  for (int64_t j = 0; j < off[rows]; ++j) TORCH_CHECK(ids[j] >= 0 && ids[j] < n, "a seen id outside the vocabulary");
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const float *pen = penalties.data_ptr<float>(), *temp = temperatures.data_ptr<float>();
+  const float *tp = top_ps.data_ptr<float>(), *mp = min_ps.data_ptr<float>();
+  const int64_t* tk = top_ks.data_ptr<int64_t>();
+  const double* us = uniforms.data_ptr<double>();
+  rosechat::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> w;
+    thread_local std::vector<Cand> cand;
+    for (int64_t r = begin; r < end; ++r)
+      o[r] = sample_row(x + r * n, n, ids + off[r], off[r + 1] - off[r], pen[r], temp[r], tk[r], tp[r], mp[r], us[r],
+                        w, cand);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rosechat_layers, lib) {
@@ -373,4 +535,6 @@ TORCH_LIBRARY(rosechat_layers, lib) {
   lib.def("decode_attention(Tensor q, Tensor k_rows, Tensor v_rows, Tensor slots, Tensor counts, float scale) "
           "-> (Tensor, Tensor)", &decode_attention);
   lib.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
+  lib.def("sample_rows(Tensor logits, Tensor seen, Tensor seen_offsets, Tensor penalties, Tensor temperatures, "
+          "Tensor top_ks, Tensor top_ps, Tensor min_ps, Tensor uniforms) -> Tensor", &sample_rows);
 }

@@ -4,14 +4,16 @@ layers of a decode step (cpu_layers.cpp) and a whole Llama layer of a decode ste
 `q4_linear(x, qs, d, m)` and `q8_linear(x, qs, d)` (once `available()` has built them) multiply
 float32 activations by weights kept in blocks of 32 (the layouts are described in cpu_quant.cpp);
 the rest are float32 RMSNorm, RoPE, SiLU * up, the K/V write and one-query paged attention.
-The extension is built once per machine by `torch.utils.cpp_extension` (a C++ compiler and AVX2
-are needed; a few seconds, cached under torch's extensions folder); `available()` says whether it
-could be, and `unavailable_reason()` why not, so a caller can fall back to torch's own kernels.
+Each ISA variant (kernels/cpu_isa.py) is built by `torch.utils.cpp_extension` when the project is set
+up (`python -m kernels.cpu_ops`, run by `make setup`), into the environment; a variant not built then
+is built at first use, once. `available()` says whether the chosen variant loaded, and
+`unavailable_reason()` why not, so a caller can fall back to torch's own kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -22,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kernels import cpu_isa
+
 BLOCK = 32
 _SOURCES = [Path(__file__).with_name(f) for f in ("cpu_quant.cpp", "cpu_layers.cpp", "cpu_decode.cpp")]
 log = logging.getLogger(__name__)
@@ -31,36 +35,96 @@ _lock = threading.Lock()  # the engine thread and the UI may both ask first
 
 
 def _build() -> str | None:
-    """Compile and register the ops once; None on success, else the reason they are unavailable."""
+    """Compile (or load the build of) the ops once; None on success, else why they are unavailable."""
     with _lock:
         return _build_once()
 
 
 def supported_cpu() -> bool:
-    """An x86 CPU with AVX2, where the kernels are meant to build (elsewhere torch's kernels serve)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    """Whether a variant of our kernels is meant to run here: a CPU with AVX2, and ROSECHAT_CPU_ISA not
+    "generic" (elsewhere torch's kernels serve)."""
+    try:
+        return cpu_isa.choose().isa != "generic"
+    except ValueError:  # a forced variant this CPU cannot run: _build_once reports it
+        return False
+
+
+def build_dir(isa: str) -> Path:
+    """Where the `isa` variant is built: keyed by a hash of the sources, the flags, the ISA, torch's and
+    Python's versions, so no checkout, torch or CPU ever loads another's build. In the environment
+    (built by `make setup`) where it is writable, else in the user cache."""
+    key = hashlib.sha256()
+    for f in _SOURCES + [_SOURCES[0].with_name("cpu_pool.h")]:
+        key.update(f.read_bytes())
+    key.update(" ".join([*_cflags(isa), isa, torch.__version__, sys.version]).encode())
+    root = Path(sys.prefix) / "share" / "rosechat-kernels"
+    if not os.access(root if root.exists() else root.parent, os.W_OK) and not (root / isa).exists():
+        import platformdirs
+
+        root = Path(platformdirs.user_cache_dir("rosechat")) / "kernels"
+    return root / f"{isa}-{key.hexdigest()[:16]}"
+
+
+def _cflags(isa: str) -> list[str]:
+    # C++20 for std::atomic::wait (cpu_pool.h); no contraction: FMAs are written out where wanted, so
+    # RoPE's products round as torch's do
+    return ["-O3", "-std=c++20", *cpu_isa.CFLAGS[isa], "-ffp-contract=off"]
 
 
 @functools.cache
 def _build_once() -> str | None:
-    if not supported_cpu():
-        return f"needs AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
-    bin_dir = str(Path(sys.executable).parent)  # the ninja our dependencies install, venv not activated
-    if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join((bin_dir, os.environ.get("PATH", "")))
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(
-            name="rosechat_cpu", sources=[str(f) for f in _SOURCES], is_python_module=False,
-            # no contraction: FMAs are written out where wanted, so RoPE's products round as torch's do
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"], verbose=False,
-        )
-    except Exception as exc:  # no compiler, no headers: the caller falls back
-        log.warning("cpu kernels unavailable: %s", exc)
-        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else exc
-        return f"could not build {_SOURCES[0].parent.name}/cpu_*.cpp: {last}"
+        choice = cpu_isa.choose()
+    except ValueError as e:
+        return str(e)
+    if choice.isa == "generic":
+        return f"CPU kernels off: {choice.reason}"
+    where = build_dir(choice.isa)
+    library = where / f"rosechat_cpu_{choice.isa}.so"
+    done = where / "built"  # written after a build succeeded: a killed build leaves none
+    try:
+        if not done.exists():
+            _compile(choice.isa, where, done)
+        torch.ops.load_library(str(library))
+    except Exception as exc:  # no compiler, no headers: the caller falls back to torch's kernels
+        text = str(exc).strip()
+        last = text.splitlines()[-1] if text else type(exc).__name__
+        reason = f"could not build the {choice.isa} CPU kernels ({last}): torch's own kernels run instead"
+        log.warning(reason)
+        return reason
+    log.info("CPU kernels: %s, from %s", choice.reason, where)
     return None
+
+
+def _compile(isa: str, where: Path, done: Path) -> None:
+    """Build the `isa` variant into `where`, one process at a time. The lock is an flock, released by
+    the OS when its holder dies, so a killed build never blocks the next; torch's own lock file left
+    by that build is removed under it."""
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where.with_name(where.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():  # another process built it while this one waited
+            return
+        log.warning("building the %s CPU kernels in %s (once; `make setup` builds them ahead)", isa, where)
+        (where / "lock").unlink(missing_ok=True)
+        bin_dir = str(Path(sys.executable).parent)  # the ninja our dependencies install, venv not activated
+        if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = os.pathsep.join((bin_dir, os.environ.get("PATH", "")))
+        cpp_extension.load(name=f"rosechat_cpu_{isa}", sources=[str(f) for f in _SOURCES], is_python_module=False,
+                           extra_cflags=_cflags(isa), build_directory=str(where), verbose=False)
+        done.touch()
+
+
+def build_status() -> str:
+    """One line on which kernels run: "rosechat avx2 (…)" or "torch (why)", for titles and bench headers."""
+    reason = _build()
+    if reason is None:
+        return f"rosechat {cpu_isa.choose().reason}"
+    return f"torch ({reason})"
 
 
 _built = False  # once built, asked on every layer call: no lock
@@ -185,6 +249,15 @@ def decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, slots: Tensor, c
 def argmax_rows(x: Tensor) -> Tensor:
     """Each row's first index of its maximum (as torch.argmax: NaN counts as the maximum), x [B, V] float32."""
     return torch.ops.rosechat_layers.argmax_rows(x)
+
+
+def sample_rows(logits: Tensor, seen: Tensor, seen_offsets: Tensor, penalties: Tensor, temperatures: Tensor,
+                top_ks: Tensor, top_ps: Tensor, min_ps: Tensor, uniforms: Tensor) -> Tensor:
+    """Next token of each row of logits [B, V] float32 (left as they were): row r's repetition penalty on
+    ids seen[seen_offsets[r]:seen_offsets[r + 1]], then argmax where temperatures[r] == 0, else temperature,
+    top-k (0 = off), top-p (1 = off), min-p (0 = off) and the draw at uniforms[r] (float64 in [0, 1))."""
+    return torch.ops.rosechat_layers.sample_rows(logits, seen, seen_offsets, penalties, temperatures, top_ks,
+                                                 top_ps, min_ps, uniforms)
 
 
 def llama_decode_weights(weights: list[Tensor], eps: float, scale: float, num_heads: int,

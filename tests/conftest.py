@@ -14,3 +14,37 @@ except ImportError:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Pin the CPU kernels' variant for the whole run (subprocesses included): what the golden traces and
+# bit-for-bit tests assert was computed on it. The AVX2 variant runs on every AVX2 and AVX-512 CPU;
+# ROSECHAT_CPU_ISA set by hand (e.g. "generic": torch's ops only) still wins.
+try:
+    from kernels import cpu_isa
+
+    os.environ.setdefault("ROSECHAT_CPU_ISA", "avx2" if "avx2" in cpu_isa.runnable(cpu_isa.cpu_flags()) else "generic")
+except ImportError:  # pragma: no cover
+    pass
+
+
+def pytest_sessionstart(session) -> None:
+    """Which machine a run was on, first thing (also under -q, which hides pytest's header): a red run on
+    the other kind of CPU says so at once."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in _machine_lines():
+            reporter.write_line(line)
+
+
+def _machine_lines() -> list[str]:
+    from engine import defaults
+    from kernels import cpu_isa
+
+    flags = cpu_isa.cpu_flags()
+    avx512 = sorted(f for f in flags if f.startswith("avx512") or f.startswith("amx"))
+    d = defaults.resolve()
+    return [
+        f"cpu: {cpu_isa.cpu_model()} | ISA paths it runs: {', '.join(cpu_isa.runnable(flags))} | our kernels: "
+        f"{', '.join(cpu_isa.BUILT)} | AVX-512 flags: {' '.join(avx512) or 'none'}",
+        f"defaults: {d.device}, {d.dtype}, quantization {d.quantization}, ROSECHAT_CPU_ISA="
+        f"{os.environ.get('ROSECHAT_CPU_ISA')} | {d.reason}",
+    ]

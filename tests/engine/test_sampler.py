@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,6 +20,20 @@ from engine.sequence import SamplingParams
 sampler = Sampler()
 # CUDA generators and kernels differ from the CPU ones, so check there too when a GPU is present.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def sampler_path(request, monkeypatch) -> str:
+    """Every test runs on both routes: the C++ sample_rows (where this CPU has our kernels) and torch's ops."""
+    from kernels import cpu_ops
+
+    if request.param == "kernel":
+        if not cpu_ops.supported_cpu():
+            pytest.skip(f"no CPU kernels here: {cpu_ops.unavailable_reason()}")
+        assert cpu_ops.available(), cpu_ops.unavailable_reason()
+    else:
+        monkeypatch.setattr(cpu_ops, "use_fused", lambda t: False)
+    return request.param
 
 
 def sample(logits, params, generators=None, seen=None):
@@ -260,3 +275,88 @@ def test_argmax_matches_torch_including_ties_and_nan(kernel: bool, monkeypatch) 
         if kernel:  # NaN counts as the maximum in torch (the two-stage path's amax does not promise it)
             x[8, vocab - 1] = x[8, vocab // 3] = float("nan")
         assert torch.equal(sampler.argmax(x), x.argmax(dim=-1))
+
+
+def chi_square_limit(df: int) -> float:
+    """The chi-square distribution's 99.99th percentile (Wilson-Hilferty): a correct sampler fails ~1 in 10^4."""
+    z = 3.719
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def hf_distribution(row: torch.Tensor, seen: list[int], p: SamplingParams) -> torch.Tensor:
+    """The next-token distribution transformers' own logits processors give, in float64, in generate()'s order."""
+    from transformers import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = row.double()[None].clone()
+    ids = torch.tensor([seen or [0]])
+    if p.repetition_penalty != 1.0 and seen:
+        scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
+    warpers = [TemperatureLogitsWarper(p.temperature)]
+    if p.top_k:
+        warpers.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(p.top_p))
+    if p.min_p:
+        warpers.append(MinPLogitsWarper(p.min_p))
+    for w in warpers:
+        scores = w(ids, scores)
+    return scores.softmax(-1)[0]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=12),
+    SamplingParams(temperature=1.3, top_k=20, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=0.9, min_p=0.1, repetition_penalty=1.3),
+    SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1),
+], ids=["t0.7", "t0.7-p0.9", "k12", "t1.3-k20-p0.8-minp", "minp-penalty", "t0.7-p0.9-penalty"])
+def test_draws_follow_transformers_logits_processors(params: SamplingParams) -> None:
+    """Every stage and their order against transformers' processors: the kept tokens exactly, and the
+    draws' frequencies by a chi-square test (which rejects a temperature 10% off, so it has power)."""
+    vocab, draws = 48, 40000
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(21)) * 1.5
+    seen = [3, 7, 7, 11, 30]  # a repeat: penalised once, as HF's gather/scatter does
+    want = hf_distribution(row, seen, params)
+    torch.manual_seed(22)
+    logits = row.expand(draws, -1).contiguous()
+    got = sample(logits, [params] * draws, seen=[seen] * draws)
+    assert torch.equal(logits[0], row)  # the caller's logits are left alone
+    counts = torch.bincount(got, minlength=vocab).double()
+    kept = want > 0
+    assert counts[~kept].sum() == 0, (counts[~kept].nonzero().flatten().tolist(), kept.nonzero().flatten().tolist())
+    df = int(kept.sum()) - 1
+    assert chi_square(counts[kept], want[kept]) < chi_square_limit(df)
+    off = hf_distribution(row, seen, dataclasses.replace(params, temperature=params.temperature * 1.1))
+    assert chi_square(counts[kept], off[kept] / off[kept].sum()) > chi_square_limit(df)
+
+
+def test_kernel_and_torch_routes_pick_the_same_token_for_the_same_draw(monkeypatch) -> None:
+    """At a real vocabulary's size, the C++ route and torch's give the same token for the same uniform
+    (their sums round apart only where a draw falls within ~1e-6 of a boundary)."""
+    from engine import sampler as sampler_module
+    from kernels import cpu_ops
+
+    monkeypatch.undo()  # this test picks the routes itself
+    if not cpu_ops.supported_cpu():
+        pytest.skip(f"no CPU kernels here: {cpu_ops.unavailable_reason()}")
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 64, 49152
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m, repetition_penalty=r)
+              for t, p, k, m, r in [(0.7, 0.9, 0, 0.0, 1.0), (1.0, 1.0, 0, 0.0, 1.1), (0.8, 0.95, 40, 0.0, 1.0),
+                                    (1.0, 1.0, 0, 0.05, 1.0), (0.0, 1.0, 0, 0.0, 1.1), (0.6, 0.5, 0, 0.02, 1.2),
+                                    (1.5, 0.99, 0, 0.0, 1.0), (0.3, 1.0, 100, 0.0, 1.0)]] * (rows // 8)
+    seen = [torch.randint(0, vocab, (200,), generator=g).tolist() for _ in range(rows)]
+    st = SamplingTensors.build(params, [make_generator(9, r, "cpu") for r in range(rows)], "cpu")
+    kernel = sampler(logits, st, seen)
+    st = SamplingTensors.build(params, [make_generator(9, r, "cpu") for r in range(rows)], "cpu")
+    reference = sampler_module.Sampler._sample_torch(logits, st, seen)
+    assert cpu_ops.use_fused(logits)
+    assert (kernel == reference).float().mean() >= 0.98, (kernel != reference).nonzero().flatten().tolist()

@@ -1,0 +1,94 @@
+"""Which variant of our CPU kernels runs here: chosen once from the CPU's own flags (cpuid, as Linux
+reports it), or forced with ROSECHAT_CPU_ISA=avx512|avx2|generic ("generic": torch's own ops, no C++).
+
+As llama.cpp's ggml-cpu, each variant is compiled for its ISA alone (never -march=native) and picked
+at run time, so a build cached on one machine is never run by a CPU that lacks its instructions.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+ISAS = ("avx512", "avx2", "generic")  # best first
+# The variants whose C++ sources exist. AVX-512 kernels are not written yet: no session has had an
+# AVX-512 CPU to run them on, and vector code no test has executed is not landed. An AVX-512 CPU
+# runs the AVX2 variant (every AVX-512 CPU has AVX2).
+BUILT = ("avx2",)
+# cpuid flags (Linux names) each variant's code needs
+NEEDS = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "generic": (),
+}
+# compiler flags of each variant: its ISA only, so its object runs on any CPU that has these
+CFLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo is not there: not Linux, not x86)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def runnable(flags: frozenset[str]) -> list[str]:
+    """The variants this CPU can execute, best first ("generic" always)."""
+    return [isa for isa in ISAS if all(f in flags for f in NEEDS[isa])]
+
+
+def has_bf16(flags: frozenset[str]) -> bool:
+    """Native bfloat16 math (AVX512_BF16 or AMX); elsewhere bf16 is emulated through float32."""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass(frozen=True)
+class IsaChoice:
+    isa: str  # one of ISAS
+    reason: str  # one line, for logs, the title and bench headers
+
+
+def choose(flags: frozenset[str] | None = None, forced: str | None = None) -> IsaChoice:
+    """The variant to run. `flags`: the CPU's (tests fake them); `forced`: ROSECHAT_CPU_ISA's value
+    when None. A forced variant this CPU cannot run, or that is not built, is a ValueError."""
+    flags = cpu_flags() if flags is None else flags
+    forced = os.environ.get("ROSECHAT_CPU_ISA", "") if forced is None else forced
+    can = runnable(flags)
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"ROSECHAT_CPU_ISA={forced!r}: choose one of {', '.join(ISAS)}")
+        if forced not in can:
+            missing = [f for f in NEEDS[forced] if f not in flags]
+            raise ValueError(f"ROSECHAT_CPU_ISA={forced}: this CPU lacks {', '.join(missing)}")
+        if forced != "generic" and forced not in BUILT:
+            raise ValueError(f"ROSECHAT_CPU_ISA={forced}: no {forced} kernels in this version "
+                             f"(built: {', '.join(BUILT)}, generic)")
+        return IsaChoice(forced, f"{forced} (forced by ROSECHAT_CPU_ISA)")
+    best = next(isa for isa in can if isa in BUILT or isa == "generic")
+    if best == "generic":
+        return IsaChoice("generic", "generic: this CPU has no AVX2 (torch's own ops)")
+    if can[0] != best:
+        return IsaChoice(best, f"{best} ({can[0]} CPU; {can[0]} kernels not written yet)")
+    return IsaChoice(best, f"{best} (from the CPU's flags)")

@@ -1,0 +1,95 @@
+"""One resolution of every default, checked under another machine's CPU flags: the CPU this suite
+happens to run on must not hide a default that breaks on the other kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, defaults
+from kernels import cpu_isa
+
+# Linux's flags of the two kinds of machine this project has run on (abridged to what matters)
+ZEN3_AVX2 = frozenset("sse4_2 avx avx2 fma f16c bmi2".split())
+ZEN4_AVX512 = ZEN3_AVX2 | frozenset("avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16".split())
+SAPPHIRE_AMX = ZEN4_AVX512 | frozenset("amx_bf16 amx_int8 amx_tile".split())
+NO_AVX = frozenset("sse4_2".split())
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_isa(monkeypatch) -> None:
+    """The suite pins ROSECHAT_CPU_ISA (tests/conftest.py); these tests resolve as a user's launch does."""
+    monkeypatch.delenv("ROSECHAT_CPU_ISA", raising=False)
+
+
+@pytest.mark.parametrize("flags", [ZEN3_AVX2, ZEN4_AVX512, SAPPHIRE_AMX], ids=["avx2", "avx512-bf16", "amx"])
+def test_cpu_defaults_are_float32_and_packed_on_every_x86(flags: frozenset[str]) -> None:
+    """bfloat16 was the default wherever the CPU had AVX512_BF16, while the fused kernels take float32
+    only: 13 tests failed there and the app ran at a third of its speed."""
+    d = defaults.resolve(flags=flags, cuda=False)
+    assert (d.device, d.dtype, d.quantization, d.attention_backend) == ("cpu", "float32", "auto", "torch")
+    assert d.isa == "avx2"  # the AVX-512 variant is not built yet: an AVX-512 CPU runs the AVX2 one
+    assert "float32" in d.reason and "avx2" in d.reason
+    assert ("native bfloat16" in d.reason) == cpu_isa.has_bf16(flags)
+
+
+def test_a_cpu_without_avx2_runs_torchs_kernels() -> None:
+    d = defaults.resolve(flags=NO_AVX, cuda=False)
+    assert (d.dtype, d.quantization, d.isa) == ("float32", "auto", "generic")
+    assert "no AVX2" in d.reason
+
+
+def test_asked_for_values_are_kept_and_bad_ones_named() -> None:
+    d = defaults.resolve(dtype="bf16", quantization="none", flags=ZEN4_AVX512, cuda=False)
+    assert (d.dtype, d.quantization, d.torch_dtype) == ("bfloat16", "none", torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        defaults.resolve(dtype="int8", cuda=False)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        defaults.resolve(quantization="q4", cuda=False)
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        defaults.resolve(device="cuda", cuda=False)
+    with pytest.raises(ValueError, match="device must be"):
+        defaults.resolve(device="tpu", cuda=False)
+
+
+def test_cuda_defaults_are_dense_bfloat16(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    d = defaults.resolve(cuda=True)
+    assert (d.device, d.dtype, d.quantization, d.attention_backend) == ("cuda", "bfloat16", "none", "triton")
+    with pytest.raises(ValueError, match="CPU only"):
+        defaults.resolve(quantization="int4", cuda=True)
+
+
+@pytest.mark.parametrize("flags, want", [
+    (ZEN3_AVX2, ["avx2", "generic"]), (ZEN4_AVX512, ["avx512", "avx2", "generic"]), (NO_AVX, ["generic"]),
+])
+def test_isa_choice_and_forcing(flags: frozenset[str], want: list[str]) -> None:
+    assert cpu_isa.runnable(flags) == want
+    assert cpu_isa.choose(flags, forced="").isa == ("generic" if want == ["generic"] else "avx2")
+    assert cpu_isa.choose(flags, forced="generic").isa == "generic"
+    if "avx2" in want:
+        assert cpu_isa.choose(flags, forced="avx2").reason.startswith("avx2 (forced")
+    else:
+        with pytest.raises(ValueError, match="lacks avx2"):
+            cpu_isa.choose(flags, forced="avx2")
+    with pytest.raises(ValueError, match="lacks avx512f|no avx512 kernels"):
+        cpu_isa.choose(flags, forced="avx512")
+    with pytest.raises(ValueError, match="choose one of"):
+        cpu_isa.choose(flags, forced="sse")
+
+
+def test_every_entry_point_takes_the_same_defaults(tiny_llama) -> None:
+    """EngineConfig (the app, serve, from_pretrained) and load_model resolve alike; the KV cache takes the
+    dtype of the model actually loaded."""
+    from engine import LLMEngine, load_model
+
+    here = defaults.resolve()
+    config = EngineConfig()
+    assert (config.dtype, config.quantization, config.device) == (here.dtype, here.quantization, here.device)
+    assert config.reason == here.reason
+    loaded = load_model(str(tiny_llama))
+    assert loaded.dtype == here.torch_dtype
+    bf16 = load_model(str(tiny_llama), dtype="bfloat16")
+    engine = LLMEngine(bf16, EngineConfig(num_blocks=8))  # the config said float32 (auto)
+    assert engine.runner.k_cache.dtype == torch.bfloat16 and engine.info.dtype == "bfloat16"
+    assert engine.info.reason
