@@ -68,7 +68,8 @@ class SamplingTensors:
         kernel_temps = [0.0 if g else t for t, g in zip(temps, greedy)]
         floats = torch.tensor([temps, top_ps, min_ps, penalties, kernel_temps], dtype=torch.float32).to(device)
         return cls(
-            temperatures=floats[0], kernel_temperatures=floats[4], top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device), top_ps=floats[1],
+            temperatures=floats[0], kernel_temperatures=floats[4],
+            top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device), top_ps=floats[1],
             min_ps=floats[2], repetition_penalties=floats[3], greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             all_greedy=all(greedy), any_greedy=any(greedy), do_top_k=any(k > 0 for k in top_ks),
@@ -161,8 +162,8 @@ class Sampler:
             return argmax(logits)
         if logits.dim() == 2 and logits.shape[-1] and cpu_ops.use_fused(logits):
             seen, offsets = flat_seen(seen_token_ids if st.do_penalties else None, logits.shape[0])
-            return cpu_ops.sample_rows(logits.contiguous(), seen, offsets, st.repetition_penalties, st.kernel_temperatures,
-                                       st.top_ks, st.top_ps, st.min_ps, uniforms(st))
+            return cpu_ops.sample_rows(logits.contiguous(), seen, offsets, st.repetition_penalties,
+                                       st.kernel_temperatures, st.top_ks, st.top_ps, st.min_ps, uniforms(st))
         return self._sample_torch(logits, st, seen_token_ids)
 
     @staticmethod
