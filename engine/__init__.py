@@ -6,6 +6,8 @@ The public API; the TUI and the benchmarks use nothing else.
 from engine.config import EngineConfig
 from engine.conversations import LLMEngine
 from engine.core import ContextLengthError, EngineInfo, RequestError, StepStats
+from engine.defaults import Defaults, cpu_model, kernel_status
+from engine.defaults import resolve as resolve_defaults
 from engine.engine_thread import EngineThread
 from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, TurnPreempted, TurnStarted, Usage
 from engine.gguf_file import GGUFError
@@ -26,6 +28,7 @@ from engine.sequence import SamplingParams
 __all__ = [
     "CacheSnapshot",
     "CompletionOutput",
+    "Defaults",
     "ContextLengthError",
     "EngineConfig",
     "EngineError",
@@ -46,10 +49,13 @@ __all__ = [
     "TurnPreempted",
     "TurnStarted",
     "Usage",
+    "cpu_model",
     "generation_defaults",
+    "kernel_status",
     "linear",
     "load_model",
     "matmul_weight_cost",
     "packed_bytes",
+    "resolve_defaults",
     "resolve_model",
 ]

@@ -23,6 +23,7 @@ from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampler import Sampler, SamplingTensors, argmax, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from kernels import cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class EngineInfo:
     generation_source: str = ""  # "generation_config.json", "GGUF metadata" or "" (none)
     kv_block_bytes: int = 0  # one block's K and V, all layers
     reason: str = ""  # why this dtype and these kernels (engine/defaults.py)
+    quantization: str = ""  # what load_model was asked for ("auto": as the file has them)
+    kernels: str = ""  # what runs the CPU math: "rosechat avx2 (...)" or "torch (why)"; "cuda" on a GPU
 
 
 @dataclass
@@ -118,7 +121,8 @@ class EngineCore:
         c = self.config
         return EngineInfo(
             name=self.loaded.name, is_demo=self.loaded.is_demo, device=c.device,
-            dtype=c.dtype, backend=c.attention_backend, reason=c.reason,
+            dtype=c.dtype, backend=c.attention_backend, reason=c.reason, quantization=c.quantization,
+            kernels=cpu_ops.build_status() if self.runner.device.type == "cpu" else self.runner.device.type,
             num_blocks=self.block_manager.num_blocks, block_size=c.block_size, max_model_len=self.max_model_len,
             generation_defaults=dict(self.loaded.generation_defaults), generation_source=self.loaded.generation_source,
             kv_block_bytes=self.kv_block_bytes,

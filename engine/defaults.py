@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_isa
+from kernels import cpu_isa, cpu_ops
+
+cpu_model = cpu_isa.cpu_model  # for headers: which machine a figure or a red run came from
+kernel_status = cpu_ops.build_status  # "rosechat avx2 (...)" or "torch (why ours did not load)"
 
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")

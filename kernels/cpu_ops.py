@@ -119,6 +119,17 @@ def _compile(isa: str, where: Path, done: Path) -> None:
         done.touch()
 
 
+def needs_build() -> bool:
+    """Whether the first use will compile the kernels (setup did not build them): a front end says so."""
+    if _built or _build_once.cache_info().currsize:
+        return False
+    try:
+        choice = cpu_isa.choose()
+    except ValueError:
+        return False
+    return choice.isa != "generic" and not (build_dir(choice.isa) / "built").exists()
+
+
 def build_status() -> str:
     """One line on which kernels run: "rosechat avx2 (…)" or "torch (why)", for titles and bench headers."""
     reason = _build()

@@ -161,8 +161,9 @@ class RoseChatApp(App[None]):
         self.model, self.model_notice = event.model, event.notice
         self.llm = event.llm
         info = self.llm.info
+        kernels = info.kernels.split(" (")[0].removeprefix("rosechat ")  # "avx2", or "torch" where ours did not load
         self._backend_ready(local_backend(self.llm, self.events.push),
-                            " · ".join([info.name, info.device, info.dtype, info.backend]))
+                            " · ".join([info.name, info.device, info.dtype, kernels, info.backend]))
         if self.model_notice:
             self.notify(self.model_notice, title="Model not found", severity="warning", timeout=15)
 

@@ -67,14 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "`rosechat bench serve --help`: rosechat serve under concurrent streams.)")
     p.add_argument("--model", default="demo-135m",
                    help="a .gguf file, a folder, a hub id, smollm2-135m-instruct, or demo / demo-135m (default)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="every system's weights (default float32; auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="every system's activations (auto, the default: as every entry point resolves it, "
+                   "engine/defaults.py: float32 on the CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N; "
                    "every system runs there, rosechat with the triton backend on CUDA")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, every system")
-    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                   help="rosechat's weights: none (default: dense, the exact comparison), auto (a GGUF file's "
-                   "packed precision), int8, int4; transformers always gets the dense weights")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                   help="rosechat's weights: auto (the default, what a user gets: a GGUF file's packed precision, "
+                   "other checkpoints dense), none (dense: the exact comparison), int8, int4; transformers always "
+                   "gets the dense weights")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {', '.join((*SYSTEMS, LLAMA_CPP))}")
     p.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=None,
@@ -200,7 +202,7 @@ def _runner_factories(args: argparse.Namespace, names: list[str], loaded: Any, t
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
-    from engine import load_model, resolve_model
+    from engine import cpu_model, kernel_status, load_model, packed_bytes, resolve_defaults, resolve_model
 
     t_start = time.perf_counter()
     load_before = _load()
@@ -210,12 +212,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(names) - {*SYSTEMS, LLAMA_CPP})
     if unknown:
         raise BenchError(f"unknown system(s) {unknown}; choose from {', '.join((*SYSTEMS, LLAMA_CPP))}")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
-    dtype = getattr(torch, args.dtype)
+    resolved = resolve_defaults(args.device, args.dtype, args.quantization)  # as every entry point
+    args.device, args.dtype, args.quantization = resolved.device, resolved.dtype, resolved.quantization
+    device, dtype = torch.device(args.device), resolved.torch_dtype
 
     _log(f"loading {args.model} ({args.dtype}, {args.device}, {args.threads} threads, "
          f"quantization {args.quantization})")
@@ -251,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del runner  # frees its KV pool before the next system allocates one
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            is_packed = result.name == LLAMA_CPP or (args.quantization != "none" and result.name != GENERATE
+            is_packed = result.name == LLAMA_CPP or (packed_bytes(loaded.model) > 0 and result.name != GENERATE
                                                      and result.name != CONTINUOUS)
             _verify(result, packed if is_packed else exact)
             _log(f"{result.name}: {result.wall_s:.1f} s, outputs {'match' if result.outputs_match else 'DIFFER'}")
@@ -271,6 +270,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": args.quantization,
         "threads": args.threads,
         "device": args.device,
+        "cpu": cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "kernels": kernel_status() if device.type == "cpu" else "triton",
+        "reason": resolved.reason,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "source": _source_version(),

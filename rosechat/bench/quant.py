@@ -172,9 +172,25 @@ def _status() -> dict[str, int]:
         return {line.split(":")[0]: int(line.split()[1]) << 10 for line in f if line.startswith(keys)}
 
 
-def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: str, streams: str) -> dict:
-    """One system in a fresh process (its memory is its own): load, then decode greedily. `mode`:
-    a quantization, "auto/torch" (auto through torch's kernels instead of ours) or "llama.cpp"."""
+# Sampling settings as users chat with them, each system given the same (llama.cpp's names in SAMPLINGS_LLAMA)
+SAMPLINGS = {
+    "greedy": {},
+    "app": {"repetition_penalty": 1.1, "repetition_window": 64},  # the app's default (config.toml [sampling])
+    "t0.7-p0.9": {"temperature": 0.7, "top_p": 0.9},
+}
+SAMPLINGS_LLAMA = {  # top_k 0 and min_p 0: off, as ours; repeat_penalty looks at the last 64 tokens (its default)
+    "greedy": {"temp": 0.0, "top_k": 1},
+    "app": {"temp": 0.0, "top_k": 1, "repeat_penalty": 1.1},
+    "t0.7-p0.9": {"temp": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0},
+}
+CHAT_PROMPT = "Write a long story about a dragon who learns to read."
+
+
+def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: str, streams: str,
+           sampling: str = "greedy", prompt: str = "random") -> dict:
+    """One system in a fresh process (its memory is its own): load, then decode. `mode`: a quantization,
+    "auto/torch" (auto through torch's kernels instead of ours) or "llama.cpp". `prompt`: "chat" (a real chat
+    prompt through the model's chat template) or "random" (a repeated text cut to prompt_tokens)."""
     from engine import resolve_model
 
     torch.set_num_threads(int(threads))
@@ -187,12 +203,16 @@ def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: 
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(source.path)
-    text = "Tell me a long story about a cat who sails around the world and the friends she meets. " * 8
-    ids = tokenizer.encode(text, add_special_tokens=False)[: int(prompt_tokens)]
+    if prompt == "chat":
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    else:
+        text = "Tell me a long story about a cat who sails around the world and the friends she meets. " * 8
+        ids = tokenizer.encode(text, add_special_tokens=False)[: int(prompt_tokens)]
     run = _llama_cpp if mode == LLAMA_CPP else _rosechat
-    result = run(source, mode, int(threads), ids, int(new_tokens), int(streams))
-    return {"mode": mode, "file_bytes": source.path.stat().st_size if source.path else 0,
-            "streams": int(streams), "threads": int(threads), **result}
+    result = run(source, mode, int(threads), list(ids), int(new_tokens), int(streams), sampling)
+    return {"mode": mode, "file_bytes": source.path.stat().st_size if source.path else 0, "sampling": sampling,
+            "prompt_tokens": len(ids), "streams": int(streams), "threads": int(threads), **result}
 
 
 def _stream_prompts(ids: list[int], n: int, vocab: int) -> list[list[int]]:
@@ -202,7 +222,7 @@ def _stream_prompts(ids: list[int], n: int, vocab: int) -> list[list[int]]:
     return [[(ids[0] + i + 1) % vocab, *ids[1:]] for i in range(n)]
 
 
-def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_streams: int) -> dict:
+def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_streams: int, sampling: str) -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams, load_model, packed_bytes
 
     quantization, _, kernels = mode.partition("/")
@@ -216,7 +236,7 @@ def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_str
     n_prompt = len(ids)
     engine = LLMEngine(loaded, EngineConfig(model=loaded.name, block_size=16,
                                             num_blocks=n_streams * (-(-(n_prompt + n_new) // 16) + 1) + 4))
-    params = SamplingParams(max_tokens=n_new, ignore_eos=True)
+    params = SamplingParams(max_tokens=n_new, ignore_eos=True, **SAMPLINGS[sampling])
     engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     prefilled = engine.prefill_tokens
     for prompt in _stream_prompts(ids, n_streams, len(loaded.tokenizer)):
@@ -237,11 +257,14 @@ def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_str
         "prefill_tok_s": round(n_streams * n_prompt / (first - t0), 1),
         "decode_tok_s": round(n_streams * (n_new - 1) / (end - first), 1),
         "prefilled_tokens": engine.prefill_tokens - prefilled,  # all of them: nothing came from the cache
+        "ran": f"{engine.info.dtype}, quantization {quantization}, "
+               f"{'torch kernels (forced)' if kernels == 'torch' else engine.info.kernels}",
     }
 
 
-def _llama_cpp(source, mode: str, threads: int, ids: list[int], n_new: int, n_streams: int) -> dict:
+def _llama_cpp(source, mode: str, threads: int, ids: list[int], n_new: int, n_streams: int, sampling: str) -> dict:
     """llama.cpp's high-level API runs one sequence at a time: n streams run one after another."""
+    import llama_cpp
     from llama_cpp import Llama
 
     before = _status()
@@ -255,7 +278,7 @@ def _llama_cpp(source, mode: str, threads: int, ids: list[int], n_new: int, n_st
     for prompt in _stream_prompts(ids, n_streams, llm.n_vocab()):
         t0 = time.perf_counter()
         first = None
-        for n, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True), start=1):
+        for n, _ in enumerate(llm.generate(prompt, reset=True, **SAMPLINGS_LLAMA[sampling]), start=1):
             if first is None:
                 first = time.perf_counter()
             if n >= n_new:
@@ -267,6 +290,8 @@ def _llama_cpp(source, mode: str, threads: int, ids: list[int], n_new: int, n_st
         "rss_before": before, "rss_after": after,
         "prefill_tok_s": round(n_streams * len(ids) / prefill_s, 1),
         "decode_tok_s": round(n_streams * (n_new - 1) / decode_s, 1),
+        "ran": "llama.cpp " + " ".join(f for f in llama_cpp.llama_print_system_info().decode().split("|")
+                                      if f.strip().endswith("= 1") or "CPU :" in f).strip(),
     }
 
 
@@ -296,24 +321,25 @@ def neighbour(threads: int) -> Iterator[subprocess.Popen | None]:
 
 
 def run_decode(model: str, modes: list[str], threads: int, prompt_tokens: int, new_tokens: int,
-               streams: list[int]) -> list[dict]:
+               streams: list[int], samplings: tuple[str, ...] = ("greedy",), prompt: str = "random") -> list[dict]:
     results = []
     for n in streams:
-        for mode in modes:
-            out = subprocess.run(
-                [sys.executable, "-c", _CHILD, model, mode, str(threads), str(prompt_tokens), str(new_tokens), str(n)],
-                capture_output=True, text=True, timeout=1800)
-            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            if out.returncode or not line:
-                raise RuntimeError(f"{mode}: the child failed:\n{out.stderr[-2000:]}")
-            results.append(json.loads(line[-1][len("RESULT "):]))
+        for sampling in samplings:
+            for mode in modes:
+                out = subprocess.run(
+                    [sys.executable, "-c", _CHILD, model, mode, str(threads), str(prompt_tokens), str(new_tokens),
+                     str(n), sampling, prompt], capture_output=True, text=True, timeout=1800)
+                line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+                if out.returncode or not line:
+                    raise RuntimeError(f"{mode}: the child failed:\n{out.stderr[-2000:]}")
+                results.append(json.loads(line[-1][len("RESULT "):]))
     return results
 
 
 def render_decode(results: list[dict]) -> str:
     mib = 2**20
-    head = (f"{'system':<14}{'streams':>8}{'load s':>8}{'weights MiB':>13}{'+RssAnon MiB':>14}"
-            f"{'+RSS MiB':>10}{'RSS/file':>10}{'prefill tok/s':>15}{'decode tok/s':>14}")
+    head = (f"{'system':<14}{'sampling':>10}{'streams':>8}{'load s':>8}{'weights MiB':>13}{'+RssAnon MiB':>14}"
+            f"{'+RSS MiB':>10}{'RSS/file':>10}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs llama.cpp':>14}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r["mode"] == LLAMA_CPP and r["streams"] > 1:
@@ -322,9 +348,14 @@ def render_decode(results: list[dict]) -> str:
         rss = r["rss_after"]["VmRSS"] - r["rss_before"]["VmRSS"]
         weights = r["packed_bytes"] + r["dense_bytes"]
         ratio = rss / r["file_bytes"] if r["file_bytes"] else float("nan")
-        lines.append(f"{r['mode']:<14}{r['streams']:>8}{r['load_s']:>8.1f}{weights / mib:>13.0f}{anon / mib:>14.0f}"
-                     f"{rss / mib:>10.0f}{ratio:>10.2f}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}")
-    return "\n".join(lines)
+        peer = next((p["decode_tok_s"] for p in results if p["mode"] == LLAMA_CPP and p["streams"] == r["streams"]
+                     and p.get("sampling") == r.get("sampling")), None)
+        vs = f"{r['decode_tok_s'] / peer:.2f}x" if peer and not r["mode"].startswith("llama.cpp") else ""
+        lines.append(f"{r['mode']:<14}{r.get('sampling', 'greedy'):>10}{r['streams']:>8}{r['load_s']:>8.1f}"
+                     f"{weights / mib:>13.0f}{anon / mib:>14.0f}{rss / mib:>10.0f}{ratio:>10.2f}"
+                     f"{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{vs:>14}")
+    ran = dict.fromkeys(f"  {r['mode']}: {r['ran']}" for r in results if r.get("ran"))
+    return "\n".join([*lines, "what ran:", *ran])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,17 +390,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_decode(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rosechat bench quant decode",
-                                description="Each quantization in a fresh process: resident memory after load "
-                                "(against the file size) and greedy decode tok/s.")
+                                description="Each system in a fresh process: resident memory after load "
+                                "(against the file size) and decode tok/s on a real chat prompt, for each sampling "
+                                "setting, llama.cpp beside it with the same settings.")
     p.add_argument("--model", default="smollm2-135m-instruct", help="a .gguf file or a packaged model")
-    p.add_argument("--quantization", default="none,auto/torch,auto",
-                   help="comma-separated: none, auto, int8, int4; X/torch: X through torch's kernels, not ours")
+    p.add_argument("--quantization", default="auto",
+                   help="comma-separated: auto (the default: what a user gets), none, int8, int4; X/torch: X "
+                   "through torch's kernels, not ours")
+    p.add_argument("--sampling", default=",".join(SAMPLINGS),
+                   help="comma-separated settings: " + ", ".join(f"{k} {v or {'temperature': 0}}"
+                                                                 for k, v in SAMPLINGS.items()))
+    p.add_argument("--prompt", default="chat", choices=("chat", "random"),
+                   help=f"chat: {CHAT_PROMPT!r} through the model's chat template; random: a repeated text cut to "
+                   "--prompt-tokens (the micro-benchmark)")
     p.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=None,
                    help="also run llama.cpp on the same file, same threads (default: when llama-cpp-python "
                    "is installed: pip install -e '.[llamacpp]')")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--prompt-tokens", type=int, default=40)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--streams", default="1", help="comma-separated numbers of concurrent greedy streams")
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="run the systems beside another program busy on N threads (torch matmuls)")
@@ -381,16 +420,23 @@ def main_decode(argv: list[str]) -> int:
             p.error("--llama-cpp: llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
         modes.append(LLAMA_CPP)
     with neighbour(args.busy):
+        samplings = tuple(args.sampling.split(","))
+        if unknown := set(samplings) - set(SAMPLINGS):
+            p.error(f"--sampling: unknown {sorted(unknown)}; choose from {', '.join(SAMPLINGS)}")
         results = run_decode(args.model, modes, args.threads, args.prompt_tokens,
-                             args.max_tokens, [int(n) for n in args.streams.split(",")])
+                             args.max_tokens, [int(n) for n in args.streams.split(",")], samplings, args.prompt)
     load = os.getloadavg()[0]
     if args.json:
         print(json.dumps({"model": args.model, "load1": load, "busy": args.busy, "results": results}))
     else:
         busy = f" beside a program busy on {args.busy} thread(s)" if args.busy else ""
-        print(f"{args.model}: {args.threads} thread(s){busy}, {args.prompt_tokens}-token prompt, {args.max_tokens} new "
-              f"tokens, greedy; load average {load:.2f}. +RSS: resident memory the load adds (+RssAnon: "
-              "the weights; the rest is the file's mapped pages)")
+        from engine import cpu_model, resolve_defaults
+
+        prompt = (f"a {results[0]['prompt_tokens']}-token chat prompt ({CHAT_PROMPT!r})" if args.prompt == "chat"
+                  else f"a {args.prompt_tokens}-token random prompt")
+        print(f"{args.model} on {cpu_model()}: {args.threads} thread(s){busy}, {prompt}, {args.max_tokens} new "
+              f"tokens (EOS ignored); load average {load:.2f}. Defaults here: {resolve_defaults().reason}. "
+              "+RSS: resident memory the load adds (+RssAnon: the weights; the rest is the file's mapped pages)")
         print(render_decode(results))
     return 0
 

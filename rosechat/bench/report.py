@@ -171,6 +171,8 @@ def render(report: dict[str, Any]) -> str:
         f"rosechat bench {h['workload']}: {h['model']} | {h['dtype']} | {h['threads']} threads | {h['device']} | "
         f"torch {h['torch']} | transformers {h['transformers']}"
     )
+    if "cpu" in h:  # what ran: the machine, our kernels or torch's, and why this dtype
+        out.append(f"{h['cpu']} | quantization {h['quantization']} | {h['kernels']} | {h['reason']}")
     out.append(f"load average {h['load_before']} before, {h['load_after']} after | bench wall {h['wall_s']:.0f} s"
                f" | source {h.get('source') or '?'}")
     if "workload_summary" in h:

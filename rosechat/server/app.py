@@ -228,10 +228,15 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
     async def health() -> Response:
         return Response(status_code=200 if hub.alive else 503)
 
+    info = llm.info  # what runs the model, and why (engine/defaults.py), for clients and dashboards
+    runtime = {"device": info.device, "dtype": info.dtype, "quantization": info.quantization,
+               "kernels": info.kernels, "reason": info.reason}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": created,
-                                            "owned_by": "rosechat", "root": llm.info.name, "max_model_len": ctx}]}
+                                            "owned_by": "rosechat", "root": llm.info.name, "max_model_len": ctx,
+                                            "rosechat": runtime}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
