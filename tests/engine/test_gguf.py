@@ -51,7 +51,7 @@ def test_logits_and_greedy_match_transformers_on_the_same_file(gguf_dir: Path, c
     path = gguf_dir / f"{_id(case)}.gguf"
     _, tok = write_gguf(path, arch, qtype=qtype, embed_qtype=embed, tie=tied, **overrides)
     ref = transformers_from_gguf(path)
-    loaded = load_model(str(path))
+    loaded = load_model(str(path), quantization="none")  # dequantized, as transformers does
     ids = tok.encode(PROMPT).ids
     got = PagedHarness(loaded).step(prefills=[(0, ids)])
     want = reference_logits(ref, ids)
@@ -78,7 +78,7 @@ def test_config_keys_transformers_misses_are_read_from_the_file(gguf_dir: Path, 
     GGUF load gets these wrong."""
     path = gguf_dir / f"{arch}-shape.gguf"
     original, tok = write_gguf(path, arch, **overrides)
-    loaded = load_model(str(path))
+    loaded = load_model(str(path), quantization="none")
     ids = tok.encode(PROMPT).ids
     ids = (ids * 8)[:200]  # long enough for the scaled low frequencies to matter
     got = PagedHarness(loaded, num_blocks=64).step(prefills=[(0, ids)])
