@@ -196,13 +196,19 @@ class GGUFModel:
     ) -> Iterator[tuple[str, Any, str]]:
         """(checkpoint name, dense float32 tensor, file name) in Hugging Face naming, for load_weights.
         Quantized tensors named in `raw` come as their GGUF blocks (engine.quant.GGUFBlocks) instead,
-        for a packed load."""
+        for a packed load.
+
+        The memory-mapped file's pages are dropped as the consumer takes each tensor (copies or
+        packs it), so the file is not resident alongside its copy while loading."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
-        from engine.quant import GGUFBlocks
+        from engine.quant import GGUFBlocks, drop_mapped_pages
 
         names = self._hf_names(model, config)
         tensors = self.reader.tensors
+        # dropped from here to the tensor just taken, not only its own pages: the shards a merged
+        # module stages (q and k until v comes) fault back in when it packs them
+        start = min((t.data_offset for t in tensors), default=0)
         for i, t in enumerate(tensors):
             hf = names.get(t.name)
             if hf is None:
@@ -216,6 +222,7 @@ class GGUFModel:
                     blocks = _unpermute_qk(blocks, heads)  # whole rows move: blocks stay intact
                 shape = (int(t.shape[1]), int(t.shape[0]))
                 yield hf, GGUFBlocks(blocks, GGMLQuantizationType(t.tensor_type).name, shape), self.path.name
+                drop_mapped_pages(self.reader.data, start, t.data_offset + t.n_bytes - start)
                 if progress is not None:
                     progress(i + 1, len(tensors))
                 continue
@@ -229,6 +236,7 @@ class GGUFModel:
             if self.arch == "gpt2" and hf.endswith(_GPT2_CONV1D):
                 tensor = tensor.t()  # back to the Conv1D layout of a Hugging Face GPT-2 checkpoint
             yield hf, tensor, self.path.name
+            drop_mapped_pages(self.reader.data, start, t.data_offset + t.n_bytes - start)
             if progress is not None:
                 progress(i + 1, len(tensors))
 

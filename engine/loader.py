@@ -10,7 +10,6 @@ package (see gguf_file.py). `transformers` gives the config, tokenizer and chat 
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import init
+from torch.overrides import TorchFunctionMode
 
 from engine import defaults, demo, quant
 from engine.gguf_file import GGUFModel
@@ -34,6 +35,7 @@ from engine.model_source import (  # noqa: F401  (re-exported: engine.loader is 
 )
 from engine.models import get_model_class
 from engine.models.layers import MergedLinear
+from kernels import cpu_ops
 
 Progress = Callable[[str], None]  # a line saying how far loading is
 
@@ -83,6 +85,8 @@ def load_model(
     d = defaults.resolve(str(device), dtype, quantization or source.quantization)
     device, dtype, quantization = torch.device(d.device), d.torch_dtype, d.quantization
     say = progress or (lambda _: None)
+    if device.type == "cpu" and cpu_ops.needs_build():
+        say("building the CPU kernels (once: `make setup` builds them ahead)…")
     if quantization == "auto" and not quant.kernels_available(device):
         quantization = "none"  # "auto" packs only where there are kernels for it: dequantize elsewhere
     if source.kind == "demo":
@@ -127,21 +131,20 @@ def _load_gguf(
         if done == total or done * 20 // total != (done - 1) * 20 // total:  # every 5 %
             say(f"weights {done * 100 // total}% of a {size:.0f} MiB file")
     load_weights(net, gguf.iter_tensors(net, config, step, raw=raw), where=source.path.name)
-    if raw:
-        quant.release_freed_memory()
     if (factors := gguf.rope_factors()) is not None:  # only Llama-family files carry them
         try:
             net.model.rotary.divide_frequencies(factors)
         except ValueError as e:
             raise WeightLoadError(f"{source.path.name}: rope_freqs.weight does not fit: {e}") from e
-    # every weight is a copy (packed or dense), none reads the map: drop what reading faulted in
-    # again (staged shards, rope_freqs), so the weights are resident once
-    quant.drop_mapped_pages(gguf.reader.data)
     net.eval()
     eos = [i for i in [*gguf.eos_token_ids(), tokenizer.eos_token_id] if i is not None]
     loaded = _loaded(net, config, tokenizer, source.display_name, False, list(dict.fromkeys(eos)))
     loaded.generation_defaults = gguf.sampling_defaults()
     loaded.generation_source = "GGUF metadata" if loaded.generation_defaults else ""
+    # Every weight is a copy (packed or dense) and the metadata is read: the file's pages that came
+    # back (staged shards, rope_freqs, the header) go too, so the model is resident once.
+    quant.drop_mapped_pages(gguf.reader.data)
+    quant.release_freed_memory()  # packing's and dequantizing's temporaries
     return loaded
 
 
@@ -210,29 +213,28 @@ def build_model(config: Any, dtype: torch.dtype, device: torch.device) -> nn.Mod
     Built on the meta device first, so no memory is spent on (or time on initialising) weights
     that the checkpoint overwrites. Inference only: parameters do not require grad."""
     cls = get_model_class(config)
-    with torch.device("meta"), _no_init():
+    with torch.device("meta"), _SkipMetaInit():
         model = cls(config)
     return model.to(dtype).to_empty(device=device).requires_grad_(False)
 
 
-@contextlib.contextmanager
-def _no_init() -> Iterator[None]:
-    """torch.nn.init's in-place initialisers as no-ops while modules are built on meta. Not only
-    wasted work: normal_ (nn.Embedding's) on a meta tensor runs torch's Python reference, whose
-    first call imports torch._dynamo and with it Triton, about 100 MiB resident (93 MiB of
-    libtriton.so's pages) that nothing after the load needs. (transformers' no_init_weights does
-    the same.)"""
-    from torch.nn import init
+class _SkipMetaInit(TorchFunctionMode):
+    """Initialisers as no-ops on meta tensors while a model is built: to_empty drops the values
+    anyway, and normal_ (nn.Embedding's) on meta runs torch's Python reference, whose first call
+    imports torch._dynamo and Triton: ~100 MiB resident (93 MiB of libtriton.so) nothing needs.
+    A mode, not patched nn.init functions: modes are per thread, so loads in threads cannot clash."""
 
-    saved = {name: fn for name, fn in vars(init).items() if name.endswith("_") and not name.startswith("_")
-             and callable(fn)}
-    for name in saved:
-        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(init, name, fn)
+    # nn.init's functions that dispatch to modes (Linear's, Embedding's), and the tensor methods the others call
+    _SKIP = frozenset((init.uniform_, init.normal_, init.constant_, init.kaiming_uniform_, Tensor.uniform_,
+                       Tensor.normal_))
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self._SKIP:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, Tensor, str]]:

@@ -267,18 +267,24 @@ def release_freed_memory() -> None:
         pass
 
 
-def drop_mapped_pages(array: Any) -> None:
+def drop_mapped_pages(array: Any, start: int = 0, length: int | None = None) -> None:
     """Let the OS drop the pages of a memory-mapped file read during loading (gguf's reader maps
-    the whole file): they are clean and count as resident until dropped; a later read faults them
-    back in."""
+    the whole file), all of them or the bytes [start, start + length) of the mapping: they are clean
+    and count as resident until dropped; a later read faults them back in from the file (the map
+    is read-only: nothing written is lost)."""
     import mmap
 
     mapping = getattr(array, "_mmap", None)
-    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-        try:
-            mapping.madvise(mmap.MADV_DONTNEED)
-        except (OSError, ValueError):
-            pass
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    first = start - start % mmap.PAGESIZE  # madvise takes whole pages: the neighbours' may go too
+    end = len(mapping) if length is None else min(len(mapping), start + length)
+    if end <= first:
+        return
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+    except (OSError, ValueError):
+        pass
 
 
 def packed_bytes(model: nn.Module) -> int:

@@ -267,6 +267,20 @@ def test_a_missing_shard_is_named(gguf_dir: Path) -> None:
         load_model(source, quantization="int4")
 
 
+def test_dropped_pages_of_a_mapped_file_read_back_the_same(tmp_path: Path) -> None:
+    """quant.drop_mapped_pages: a range (its start rounded down to a page, its end past the map's)
+    or the whole map; later reads fault the file's bytes back in."""
+    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 100, dtype=np.uint8)
+    data.tofile(tmp_path / "blob")
+    mapped = np.memmap(tmp_path / "blob", mode="r")
+    assert int(mapped.sum()) == int(data.sum())  # resident now
+    quant.drop_mapped_pages(mapped, 5000, 4000)
+    quant.drop_mapped_pages(mapped, 12000, 1 << 20)
+    np.testing.assert_array_equal(mapped, data)
+    quant.drop_mapped_pages(mapped)
+    np.testing.assert_array_equal(mapped, data)
+
+
 # --- the real SmolLM2-135M-Instruct Q4_1 file ------------------------------------------------------
 
 MODEL = "smollm2-135m-instruct"
@@ -308,14 +322,24 @@ def test_real_model_top1_agreement_over_64_greedy_tokens(engines) -> None:
 _RSS_SCRIPT = """
 import json, sys
 from engine.loader import load_model, resolve_model
+from engine.quant import packed_bytes
 def status():
     return {l.split(':')[0]: int(l.split()[1]) << 10 for l in open('/proc/self/status')
             if l.startswith(('VmRSS', 'RssAnon', 'RssFile', 'VmHWM'))}
+def mapped(path):  # resident bytes of the process's mappings of `path` (/proc/self/smaps)
+    rss, inside = 0, False
+    for line in open('/proc/self/smaps'):
+        if line[0] in '0123456789abcdef':  # a mapping's header line; its fields start with capitals
+            inside = line.rstrip('\\n').endswith(' ' + path)
+        elif inside and line.startswith('Rss:'):
+            rss += int(line.split()[1]) << 10
+    return rss
 source = resolve_model(sys.argv[1])
 source.gguf.config_and_tokenizer()
 before = status()
-load_model(source, quantization=sys.argv[2])
-print(json.dumps({"before": before, "after": status(), "file": source.path.stat().st_size}))
+loaded = load_model(source, quantization=sys.argv[2])  # kept alive: the loaded model is what is measured
+print(json.dumps({"before": before, "after": status(), "file": source.path.stat().st_size,
+                  "mapped": mapped(str(source.path.resolve())), "packed": packed_bytes(loaded.model)}))
 """
 
 
@@ -327,15 +351,28 @@ def _rss(mode: str) -> dict:
 
 
 def test_real_model_resident_memory_after_a_packed_load() -> None:
-    """Resident memory the load adds, all of it (VmRSS) and the weights alone (RssAnon; the rest is
-    the mapped file's pages), stays under 1.5x the file packed; dequantized to fp32 the weights
-    alone are about 5.5x (measured: +513 MiB for the 93 MiB file)."""
+    """The weights are resident once: the memory-mapped file's pages are dropped as its tensors
+    are packed, and what the load adds, all of it (VmRSS) and the anonymous part (RssAnon), stays
+    within 1.1x the file plus allowances measured on this 94 MiB file:
+
+    - the packed weights are 106 MiB, 1.13x the file: the kernels take Q4_1's fp16 scale and
+      minimum as fp32 (24 bytes a block of 32, the file 20); 3 MiB over 1.1x;
+    - the tokenizer and config load_model builds: 8.4 MiB of heap;
+    - VmRSS only: ~15 MiB of libtorch's own code (file-backed, shared), faulted in by the first
+      build of a model on meta.
+
+    Measured (fresh conversion cache, as here): +119 MiB resident, +106 anonymous, under 1 MiB of
+    the file's pages; before, building on meta imported torch._dynamo and Triton: +235 MiB, 93 of
+    it libtriton.so's pages. Dequantized to fp32 the weights alone are about 5.2x (+485 MiB)."""
     packed = _rss("auto")
     anon = packed["after"]["RssAnon"] - packed["before"]["RssAnon"]
     rss = packed["after"]["VmRSS"] - packed["before"]["VmRSS"]
-    print(f"packed: +{rss >> 20} MiB resident (+{anon >> 20} MiB anonymous) for a {packed['file'] >> 20} MiB "
-          f"file; {packed}")
-    assert anon < 1.5 * packed["file"] and rss < 1.5 * packed["file"], packed
+    size, mib = packed["file"], 1 << 20
+    print(f"packed: +{rss >> 20} MiB resident (+{anon >> 20} MiB anonymous, {packed['mapped'] >> 10} KiB of "
+          f"the file's pages; packed weights {packed['packed'] >> 20} MiB) for a {size >> 20} MiB file; {packed}")
+    assert packed["mapped"] <= 0.01 * size, packed
+    assert anon <= 1.1 * size + 12 * mib, packed
+    assert rss <= 1.1 * size + 28 * mib, packed
 
 
 @pytest.mark.parametrize("arch, tied", [("llama", True), ("qwen2", False)])
