@@ -1,6 +1,9 @@
 """The app end to end with Pilot, on the built-in demo model (random weights, small KV pool).
 
-Every wait is a condition polled with a timeout (``wait_for``), never a fixed sleep.
+Every wait is a condition polled with a timeout (``wait_for``), never a fixed sleep or a fixed
+number of pauses: a key press returns before the app has necessarily acted on it (on a loaded
+machine Pilot's "idle" comes early). A check that something did *not* happen first waits for
+something that would have come after it (a marker), so that it is not merely "not yet".
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.message import Message
 
 from engine.events import USED
 from rosechat.app import RoseChatApp
@@ -50,11 +54,67 @@ async def ready(pilot) -> RoseChatApp:
     return app
 
 
-async def send(pilot, text: str) -> ChatTab:
-    tab = pilot.app.active_tab
+def _sent(app: RoseChatApp) -> list[str]:
+    """The request ids of the messages the app has sent, each added once ``app.send`` has returned
+    (the user message and the reply's view are in the tab, the turn submitted). Installed on first use."""
+    log: list[str] | None = getattr(app, "_test_sent", None)
+    if log is None:
+        log = app._test_sent = []
+        original = app.send
+
+        async def send(tab: ChatTab, text: str) -> str:
+            rid = await original(tab, text)
+            log.append(rid)
+            return rid
+
+        app.send = send
+    return log
+
+
+async def send(pilot, text: str, *, accepted: bool = True) -> ChatTab:
+    """Type ``text`` into the active tab and press enter. ``accepted``: return once the app has sent
+    it (otherwise at once: a message the app is expected to refuse)."""
+    app = pilot.app
+    tab = app.active_tab
+    sent = _sent(app)
+    before = len(sent)
+    # enter goes to the focused input: a new (or reopened) tab's own takes the focus after a refresh
+    await wait_for(pilot, lambda: app.focused is tab.input, "the tab's input to have the focus")
     tab.input.value = text
     await pilot.press("enter")
+    if accepted:
+        await wait_for(pilot, lambda: len(sent) > before, f"{text[:30]!r} to be sent")
     return tab
+
+
+async def new_tab(pilot) -> ChatTab:
+    """ctrl+n, once the new tab is open and active."""
+    app = pilot.app
+    before = set(app.tabs)
+    await pilot.press("ctrl+n")
+    await wait_for(pilot, lambda: len(app.tabs) == len(before) + 1 and app.active_tab not in before,
+                   "the new tab to open")
+    return app.active_tab
+
+
+async def on_tab(pilot, tab: ChatTab, what: str) -> None:
+    """Wait until ``tab`` is the active one and its input has the focus."""
+    app = pilot.app
+    await wait_for(pilot, lambda: app.active_tab is tab and app.focused is tab.input, f"{what} and its focus")
+
+
+def dialog_ready(app: RoseChatApp, screen_type: type, focus: str | None = None) -> bool:
+    """Whether a ``screen_type`` is on top with the focus in it (on ``focus``, a selector, if given):
+    only then do the keys pressed go to it."""
+    screen, focused = app.screen, app.focused
+    if not isinstance(screen, screen_type) or focused is None or focused.screen is not screen:
+        return False
+    return focus is None or focused is screen.query_one(focus)
+
+
+class Marker(Message):
+    """Posted to a widget to learn, as it reaches the app (it bubbles), that every message queued
+    ahead of it on its way has been handled."""
 
 
 def spy_submit(app: RoseChatApp) -> list[list[dict[str, str]]]:
@@ -97,7 +157,8 @@ async def test_three_tabs_stream_at_the_same_time(tmp_path: Path) -> None:
 
         app.events.drain = spy
 
-        await pilot.press("ctrl+n", "ctrl+n")
+        await new_tab(pilot)
+        await new_tab(pilot)
         tabs = app.tabs
         assert len(tabs) == 3 and len({t.engine_cid for t in tabs}) == 3
         # Submit all three inputs back to back (Enter's action; a key press would wait for the CPU to go
@@ -182,13 +243,19 @@ async def test_kv_panel_shows_the_engine_snapshot(tmp_path: Path) -> None:
         tab = await send(pilot, "fill some blocks")
         await wait_for(pilot, lambda: replied(tab), "the reply")
         await pilot.press("ctrl+k")
-        assert panel.display
+        await wait_for(pilot, lambda: panel.display, "the panel to show")
         # The engine is idle now, so its state is stable: read it directly and wait for the panel to match.
         truth = app.llm.cache_snapshot()
         await wait_for(
             pilot, lambda: panel.snapshot is not None and panel.snapshot.state == truth.state, "the panel to catch up"
         )
-        await pilot.pause()
+        block_map = panel.query_one(BlockMap)
+        used = [b for b, s in enumerate(truth.state) if s == USED]
+        # the map's cells are built as it is drawn (and the stats redrawn once laid out), after the
+        # snapshot arrives: wait for a draw of this one
+        await wait_for(pilot, lambda: [i for i, c in enumerate(block_map.cells) if c.kind >= 2] == used
+                       and f"{truth.used_blocks} / {truth.num_blocks}" in str(panel.query_one("#kv-stats").render()),
+                       "the block map and the figures drawn")
         snap = panel.snapshot
         assert snap.used_blocks == truth.used_blocks > 0
         assert (snap.refcount, snap.owners) == (truth.refcount, truth.owners)
@@ -196,13 +263,12 @@ async def test_kv_panel_shows_the_engine_snapshot(tmp_path: Path) -> None:
         stats = str(panel.query_one("#kv-stats").render())
         assert f"{truth.used_blocks} / {truth.num_blocks}" in stats
         assert stats_text(truth).plain.splitlines()[:9] == stats.splitlines()[:9]
-        block_map = panel.query_one(BlockMap)
         used_cells = [i for i, c in enumerate(block_map.cells) if c.kind >= 2]
-        assert used_cells == [b for b, s in enumerate(truth.state) if s == USED]  # 96 blocks fit: 1 per cell
+        assert used_cells == used  # 96 blocks fit: 1 per cell
         legend = str(panel.query_one("#kv-legend").render())
         assert tab.chat_title in legend
         await pilot.press("f2")
-        assert not panel.display
+        await wait_for(pilot, lambda: not panel.display, "f2 to hide the panel")
 
 
 async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -> None:
@@ -230,21 +296,27 @@ async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -
         assert [st.tokens for st in view.stats] == list(ev.sample_tokens)
         assert _footer(view).startswith(f"{ev.sample_tokens[0]} tokens")
 
-        await pilot.press("alt+right")  # next alternative
-        assert view.shown == 1 and tab.messages[-1].content == texts[1]
+        async def cycle(key: str, shown: int) -> None:
+            # the footer names the alternative last of all (then the choice is saved, in the same step)
+            await pilot.press(key)
+            await wait_for(pilot, lambda: f"alternative {shown + 1}/3" in _footer(view), f"{key}: alternative {shown}")
+            assert view.shown == shown
+
+        await cycle("alt+right", 1)  # next alternative
+        assert tab.messages[-1].content == texts[1]
         assert _footer(view).startswith(f"{ev.sample_tokens[1]} tokens")
         assert app.history.load(tab.history_id).messages[-1].tokens == ev.sample_tokens[1]
-        assert "alternative 2/3" in str(view.query_one(".reply-footer").render())
         await wait_for(pilot, lambda: view.markdown.source == texts[1], "the shown text")
-        await pilot.press("alt+right", "alt+right")  # wraps around
-        assert view.shown == 0
-        await pilot.press("alt+left")
-        assert view.shown == 2
-        await pilot.press("alt+left")
-        assert view.shown == 1 and tab.messages[-1].content == texts[1]
+        await cycle("alt+right", 2)
+        await cycle("alt+right", 0)  # wraps around
+        await cycle("alt+left", 2)
+        await cycle("alt+left", 1)
+        assert tab.messages[-1].content == texts[1]
         assert app.history.load(tab.history_id).messages[-1].content == texts[1]
         await pilot.press(*"[1,2]")  # brackets are text, whatever the tab holds
-        assert tab.input.value == "[1,2]" and view.shown == 1
+        # all typed: had a bracket been taken as a key binding, it would not be in the box
+        await wait_for(pilot, lambda: tab.input.value == "[1,2]", "the brackets typed")
+        assert view.shown == 1 and "alternative 2/3" in _footer(view)
         tab.input.value = ""
 
         # Which alternative continues must be visible in the KV the engine keeps: the next turn
@@ -255,8 +327,7 @@ async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -
         seq_of = {seq.index: seq for seq in conv.seqs}
         choice = 2
         expected_reuse = len(seq_of[choice].token_ids) - 1
-        while view.shown != choice:
-            await pilot.press("alt+right")
+        await cycle("alt+right", choice)
 
         await send(pilot, "go on")
         await wait_for(pilot, lambda: replied(tab) and len(tab.messages) == 4, "the next reply")
@@ -283,7 +354,7 @@ async def test_history_survives_a_restart(tmp_path: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen), "the conversation list")
+        await wait_for(pilot, lambda: dialog_ready(app, ConversationsScreen), "the conversation list")
         assert [s.title for s in app.screen.summaries] == ["remember me"]
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.tabs) == 2 and len(app.active_tab.messages) == 2, "the reopened tab")
@@ -312,11 +383,11 @@ async def test_conversation_list_rename_export_delete(tmp_path: Path) -> None:
         tab = await send(pilot, "to be renamed")
         await wait_for(pilot, lambda: replied(tab), "the reply")
         await pilot.press("f4")
-        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen), "the conversation list")
+        await wait_for(pilot, lambda: dialog_ready(app, ConversationsScreen), "the conversation list")
         screen = app.screen
 
         await pilot.press("r")
-        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        await wait_for(pilot, lambda: dialog_ready(app, TextPromptScreen, "Input"), "the rename prompt")
         app.screen.query_one("Input").value = "Renamed chat"
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.screen is screen, "the list again")
@@ -325,6 +396,7 @@ async def test_conversation_list_rename_export_delete(tmp_path: Path) -> None:
         assert "Renamed chat" in app.tabbed.get_tab(tab).label.plain
 
         await pilot.press("e")
+        await wait_for(pilot, lambda: screen.last_export is not None, "the export")
         path = screen.last_export
         assert path is not None and path.parent == tmp_path / "exports" and path.name == "renamed-chat.md"
         text = path.read_text()
@@ -339,8 +411,9 @@ async def test_conversation_list_rename_export_delete(tmp_path: Path) -> None:
         with pytest.raises(KeyError):
             app.history.load(history_id)
         await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is not screen, "the list to close")
         # The open tab saves itself anew on its next message.
-        assert tab.history_id is None
+        await wait_for(pilot, lambda: tab.history_id is None, "the tab to forget its deleted conversation")
         await send(pilot, "after delete")
         await wait_for(pilot, lambda: replied(tab), "the reply")
         assert [c.message_count for c in app.history.list_conversations()] == [2]
@@ -352,8 +425,7 @@ async def test_system_prompt_is_editable_per_conversation(tmp_path: Path) -> Non
         await ready(pilot)
         calls = spy_submit(app)
         first = app.active_tab
-        await pilot.press("ctrl+n")
-        second = app.active_tab
+        second = await new_tab(pilot)
         assert second.system_prompt == app.config.chat.system_prompt  # default from config
         assert f"System: {app.config.chat.system_prompt}" == str(first.query_one(".system-line").render())
 
@@ -377,19 +449,16 @@ async def test_tabs_keys_and_close_frees_blocks(tmp_path: Path) -> None:
         await ready(pilot)
         first = await send(pilot, "one")
         await wait_for(pilot, lambda: replied(first), "the reply")
-        await pilot.press("ctrl+n")
-        await pilot.press("ctrl+n")
+        await new_tab(pilot)
+        await new_tab(pilot)
         tabs = app.tabs
         assert len(tabs) == 3 and app.active_tab is tabs[2]
-        await pilot.press("ctrl+pagedown")
-        assert app.active_tab is tabs[0]  # wraps
-        await pilot.press("ctrl+pageup")
-        assert app.active_tab is tabs[2]
-        await pilot.press("alt+2")
-        assert app.active_tab is tabs[1]
-        assert app.focused is tabs[1].input
+        for key, expected in (("ctrl+pagedown", 0), ("ctrl+pageup", 2), ("alt+2", 1)):  # ctrl+pagedown wraps
+            await pilot.press(key)
+            await on_tab(pilot, tabs[expected], f"{key}: tab {expected + 1}")
 
         await pilot.press("alt+1")
+        await wait_for(pilot, lambda: app.active_tab is tabs[0], "alt+1: the first tab")
         await pilot.press("ctrl+w")
         await wait_for(pilot, lambda: len(app.tabs) == 2, "the tab to close")
         app.engine.request_snapshot()
@@ -401,20 +470,23 @@ async def test_tabs_keys_and_close_frees_blocks(tmp_path: Path) -> None:
         )
         for _ in range(2):
             await pilot.press("ctrl+w")
-        await wait_for(pilot, lambda: len(app.tabs) == 1, "a fresh tab")  # closing the last one opens a new one
-        assert app.active_tab.messages == []
+        # closing the last one opens a new one
+        await wait_for(pilot, lambda: len(app.tabs) == 1 and app.tabs[0] not in tabs, "a fresh tab")
+        assert app.active_tab is app.tabs[0] and app.active_tab.messages == []
 
 
 async def test_command_palette_runs_actions(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        from textual.command import CommandList, CommandPalette
+
         await pilot.press("ctrl+p")
+        # typed before the palette has the focus, the words would go to the chat's input
+        await wait_for(pilot, lambda: dialog_ready(app, CommandPalette, "CommandInput"), "the palette")
         await pilot.press(*"new chat tab")
 
         def found() -> bool:  # the search ran and highlighted its best match
-            from textual.command import CommandList, CommandPalette
-
             if not isinstance(app.screen, CommandPalette):
                 return False
             commands = app.screen.query_one(CommandList)
@@ -450,13 +522,19 @@ async def test_a_model_that_fails_to_load_is_said_not_pretended(tmp_path: Path) 
         await wait_for(pilot, lambda: app.load_error is not None, "the load error")
         assert app.llm is None and "no-such-model" in app.load_error and app.sub_title == "no model"
         assert "no-such-model" in str(app.query_one("#loading-label").render())
-        tab = await send(pilot, "hello?")
-        await wait_for(pilot, lambda: any(n.title == "No model" for n in app._notifications), "the no-model notice")
+        said: list[tuple[str, str]] = []  # (title, message) of every notification, as the app makes it
+        notify = app.notify
+        app.notify = lambda message, *, title="", **kw: said.append((title, message)) or notify(
+            message, title=title, **kw)
+        tab = await send(pilot, "hello?", accepted=False)
+        await wait_for(pilot, lambda: any(t == "No model" for t, _ in said), "the no-model notice")
         assert tab.input.value == "hello?" and not tab.messages  # nothing lost, nothing pretended
         await pilot.press("ctrl+f")
-        await pilot.pause()
+        # the fork is refused with the same notice, made where a fork would have begun: only then is
+        # "no fork" more than "no fork yet"
+        await wait_for(pilot, lambda: [t for t, _ in said].count("No model") == 2, "ctrl+f's no-model notice")
         assert len(app.tabs) == 1
-        assert not any("still loading" in n.message or "Forked" in n.message for n in app._notifications)
+        assert not any("still loading" in m or "Forked" in m for _, m in said)
 
 
 async def test_header_and_loading(tmp_path: Path) -> None:
@@ -464,7 +542,8 @@ async def test_header_and_loading(tmp_path: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         info = app.llm.info
-        for part in (info.name, info.device, info.backend, "random weights"):
+        kernels = "avx2" if info.kernels.startswith("rosechat avx2") else "torch"  # ours, or torch's where not
+        for part in (info.name, f"{info.device} {kernels}", info.dtype, "random weights"):
             assert part in app.sub_title
         assert not app.query_one("#loading").display
 
@@ -592,12 +671,20 @@ async def test_multi_line_messages_paste_and_typed_newlines(tmp_path: Path) -> N
         assert shown.splitlines() == sent.splitlines()
         assert tab.input.value == ""
         # only blanks: nothing sent, nothing kept
-        await pilot.press("space", "ctrl+j", "space", "enter")
-        assert tab.input.value == "" and len(calls) == 1
+        await pilot.press("space", "ctrl+j", "space")
+        await wait_for(pilot, lambda: tab.input.value == " \n ", "the blanks typed")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: tab.input.value == "", "the blanks cleared")
+        # a message sent after them is the next one the engine gets: had the blanks been sent, they
+        # would have come first (and this one been refused while they were answered)
+        await send(pilot, "after the blanks")
+        await wait_for(pilot, lambda: replied(tab) and len(tab.messages) == 4, "its reply")
+        assert len(calls) == 2 and calls[-1][-1] == {"role": "user", "content": "after the blanks"}
+        assert [m.content for m in tab.messages if m.role == "user"] == [sent, "after the blanks"]
 
 
 async def test_single_line_breaks_in_a_reply_are_shown(tmp_path: Path) -> None:
-    from textual.widgets._markdown import MarkdownParagraph
+    from textual.widgets._markdown import MarkdownFence, MarkdownParagraph
 
     from rosechat.widgets.chat import MessageView
 
@@ -605,7 +692,9 @@ async def test_single_line_breaks_in_a_reply_are_shown(tmp_path: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         view = MessageView("assistant", "It was a dark and stormy night,\nA tale of wind and rain.\n\n```\na\nb\n```")
         await app.active_tab.log_view.mount(view)
-        await pilot.pause()
+        # the Markdown builds its blocks after it is mounted: the paragraph and the code block after it
+        await wait_for(pilot, lambda: view.markdown.query(MarkdownParagraph) and view.markdown.query(MarkdownFence),
+                       "the Markdown's blocks")
         (paragraph,) = view.markdown.query(MarkdownParagraph)
         lines = str(paragraph._content).splitlines()
         assert lines == ["It was a dark and stormy night,", "A tale of wind and rain."]
@@ -627,8 +716,7 @@ async def test_a_reply_in_progress_is_kept_on_tab_close_and_on_quit(tmp_path: Pa
         closing = await send(pilot, "a long story, please")
         await wait_for(pilot, lambda: closing.reply is not None and len(closing.reply.text) > 20, "some text")
         history_id = closing.history_id
-        await pilot.press("ctrl+n")
-        await wait_for(pilot, lambda: len(app.tabs) == 2, "a second tab")
+        await new_tab(pilot)
         quitting = await send(pilot, "another long one")
         await wait_for(pilot, lambda: quitting.reply is not None and len(quitting.reply.text) > 20, "its text")
         app.tabbed.active = closing.id
@@ -674,7 +762,9 @@ async def test_80x24_keeps_eight_rows_of_chat_and_everything_on_screen(tmp_path:
         assert len(f"rosechat — {app.sub_title}") < 80 - 20  # the header's title fits beside its icons
         await pilot.press("f3")
         await wait_for(pilot, lambda: isinstance(app.screen, SystemPromptScreen), "the system prompt dialog")
-        await pilot.pause()
+        await wait_for(pilot, lambda: app.screen.query("Button") and all(b.region.height > 0
+                                                                          for b in app.screen.query("Button")),
+                       "the dialog laid out")
         for button in app.screen.query("Button"):
             assert button.region.bottom <= 24 and button.region.height > 0, button
         await pilot.press("escape")
@@ -707,16 +797,17 @@ async def test_copy_the_reply_and_its_code_block(tmp_path: Path) -> None:
         reply = "Here it is:\n\n```python\ndef f():\n    return 1\n```\n\nand more:\n\n```\nlast block\n```\n"
         tab.messages[-1].content = reply  # the demo model writes no code: give the reply one
         await pilot.press("ctrl+y")
-        assert app.clipboard == reply
+        await wait_for(pilot, lambda: app.clipboard == reply, "the reply copied")
         await pilot.press("alt+y")
-        assert app.clipboard == "last block"
+        await wait_for(pilot, lambda: app.clipboard == "last block", "the last code block copied")
         tab.messages[-1].content = "Here it is:\n\n```python\ndef f():\n    return 1\n```"
         await pilot.press("alt+y")
-        assert app.clipboard == "def f():\n    return 1"
+        await wait_for(pilot, lambda: app.clipboard == "def f():\n    return 1", "the only code block copied")
         tab.messages[-1].content = "no code at all"
         await pilot.press("alt+y")
-        assert app.clipboard == "def f():\n    return 1"  # unchanged
+        # the word comes from the same key, where a copy would have been made: only then is "unchanged" a result
         await wait_for(pilot, lambda: any("no code block" in n.message for n in app._notifications), "the word")
+        assert app.clipboard == "def f():\n    return 1"  # unchanged
 
 
 async def test_a_preempted_reply_says_it_waits_for_kv_memory(tmp_path: Path, long_replies) -> None:
@@ -756,9 +847,28 @@ async def test_tab_switches_in_a_burst_end_on_the_last_one(tmp_path: Path) -> No
     """A late focus request (after a refresh, or a TabActivated handled after the next switch) must
     never switch the user back to a tab they left: the race of test_tabs_keys_and_close_frees_blocks."""
     from textual import events
+    from textual.widgets import TabPane
+
+    stale: list[ChatTab] = []  # the tab whose late focus request is followed
+    followed: list[events.DescendantFocus] = []
+    markers: list[Marker] = []
+    pane_focused: list[TabPane] = []  # TabPane.Focused: what makes TabbedContent switch to a pane
+
+    def hook(message: Message) -> None:  # every message, as a widget (or the app) handles it
+        if isinstance(message, Marker):
+            markers.append(message)
+        elif isinstance(message, TabPane.Focused):
+            pane_focused.append(message.tab_pane)
+        elif (stale and isinstance(message, events.DescendantFocus) and message.widget is stale[0].input
+              and not any(m is message for m in followed)):
+            # its first stop: the stale tab (the input's parent). Right after the tab has handled it,
+            # a marker goes the same way up: anything the handling posted (a TabPane.Focused, if the
+            # tab let TabPane's default run) is ahead of it in every queue up to the app.
+            followed.append(message)
+            stale[0].call_next(stale[0].post_message, Marker())
 
     app = make_app(tmp_path)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=SIZE, message_hook=hook) as pilot:
         await ready(pilot)
         app.post_message(events.Key("ctrl+n", None))
         app.post_message(events.Key("ctrl+n", None))
@@ -766,15 +876,22 @@ async def test_tab_switches_in_a_burst_end_on_the_last_one(tmp_path: Path) -> No
         tabs = app.tabs
         for key in ("ctrl+pagedown", "ctrl+pageup", "ctrl+pagedown", "f5", "f6", "f5"):  # no waiting between
             app.post_message(events.Key(key, None))
-        await pilot.pause()
         # 2 -> 0 -> 2 -> 0 -> 2 -> 0 -> 2
         await wait_for(pilot, lambda: app.active_tab is tabs[2] and app.focused is tabs[2].input, "the focus")
         for key, expected in (("f5", 1), ("f6", 2)):
             await pilot.press(key)
-            assert app.active_tab is tabs[expected] and app.focused is tabs[expected].input
+            await on_tab(pilot, tabs[expected], f"{key}: tab {expected + 1}")
+        # (each press above waited for every widget to handle what was queued before it: no focus
+        # event of the burst is still on its way to the first tab)
+        assert tabs[0].input.parent is tabs[0]
+        stale.append(tabs[0])
         tabs[0].input.focus()  # a stale request for a tab the user left
-        await pilot.pause()
+        # the request handled all the way: the focus moved, the tab saw it, and the marker behind it
+        # reached the app through every widget a TabPane.Focused would have passed
+        await wait_for(pilot, lambda: len(markers) == len(tabs[0].ancestors_with_self), "the marker at the app")
+        assert followed and app.focused is tabs[0].input
         assert app.active_tab is tabs[2]
+        assert tabs[0] not in pane_focused
 
 
 async def test_rename_a_tab_from_the_palette(tmp_path: Path) -> None:
@@ -783,9 +900,17 @@ async def test_rename_a_tab_from_the_palette(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        renamed: list[str | None] = []  # what each rename flow ended with (None: cancelled)
+        rename = app.rename
+
+        async def spy(*args: Any, **kwargs: Any) -> str | None:
+            renamed.append(await rename(*args, **kwargs))
+            return renamed[-1]
+
+        app.rename = spy
         unsaved = app.active_tab
         app.action_rename()
-        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        await wait_for(pilot, lambda: dialog_ready(app, TextPromptScreen, "Input"), "the rename prompt")
         app.screen.query_one("Input").value = "Scratch"
         await pilot.press("enter")
         await wait_for(pilot, lambda: unsaved.chat_title == "Scratch", "the new title")
@@ -796,15 +921,18 @@ async def test_rename_a_tab_from_the_palette(tmp_path: Path) -> None:
         await wait_for(pilot, lambda: replied(unsaved), "the reply")
         assert app.history.load(unsaved.history_id).title == "Scratch"  # a renamed tab keeps its title
         app.action_rename()
-        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        await wait_for(pilot, lambda: dialog_ready(app, TextPromptScreen, "Input"), "the rename prompt")
         app.screen.query_one("Input").value = "Kept"
         await pilot.press("enter")
         await wait_for(pilot, lambda: "Kept" in app.tabbed.get_tab(unsaved).label.plain, "the label")
         assert app.history.load(unsaved.history_id).title == "Kept"
         app.action_rename()
-        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen), "the rename prompt")
+        await wait_for(pilot, lambda: dialog_ready(app, TextPromptScreen, "Input"), "the rename prompt")
         await pilot.press("escape")  # cancelled: nothing changes
         await wait_for(pilot, lambda: not isinstance(app.screen, TextPromptScreen), "the prompt to close")
+        # the flow has ended (where a title would have been saved and shown): nothing changed
+        await wait_for(pilot, lambda: len(renamed) == 3, "the rename flow to end")
+        assert renamed == ["Scratch", "Kept", None]
         assert unsaved.chat_title == "Kept" and app.history.load(unsaved.history_id).title == "Kept"
 
 
@@ -820,8 +948,8 @@ async def test_an_alternative_chosen_while_they_stream_is_the_one_kept(tmp_path:
         await wait_for(pilot, lambda: tab.reply is not None and all(tab.reply.texts[:3]), "three alternatives")
         view = tab.reply
         await pilot.press("alt+right")
+        await wait_for(pilot, lambda: _footer(view) == "generating… alternative 2/3", "the second alternative")
         assert view.shown == 1 and tab.generating
-        assert _footer(view) == "generating… alternative 2/3"
         await wait_for(pilot, lambda: view.markdown.source.startswith(view.texts[1][:10]), "the second shown")
         await pilot.press("escape")
         await wait_for(pilot, lambda: replied(tab), "the alternatives to stop")
@@ -835,10 +963,16 @@ async def test_a_streaming_reply_is_drawn_in_batches_and_whole(tmp_path: Path, m
     """Text arriving faster than the reply is redrawn is written to its Markdown in batches: the first
     piece at once, the rest when the next redraw is due (no need for the reply to finish), then on
     finishing at once; what is shown is the whole text, in order."""
+    from types import SimpleNamespace
+
     from rosechat.widgets import chat
 
-    monkeypatch.setattr(chat, "REDRAW_INTERVAL", 0.5)  # a burst below lands in one interval, on any CPU
+    monkeypatch.setattr(chat, "REDRAW_INTERVAL", 0.5)
     monkeypatch.setattr(chat, "REDRAW_MAX", 0.5)
+    # The reply's clock stands still until the test moves it: the burst lands in one interval however
+    # slowly this machine runs it, so "the rest waits" is not "the rest has not come yet".
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(chat, "time", SimpleNamespace(monotonic=lambda: clock.now, thread_time=lambda: 0.0))
     app = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         view = chat.MessageView("assistant")
@@ -851,7 +985,9 @@ async def test_a_streaming_reply_is_drawn_in_batches_and_whole(tmp_path: Path, m
             await view.add_delta(0, piece)
         await wait_for(pilot, lambda: writes, "the first piece")
         assert writes == ["Here"]  # at once, and the rest of the burst waits for the next redraw
+        assert view._write_timer is not None  # which is set
         whole = "".join(pieces)
+        clock.now += 0.5  # the redraw is due: its timer writes the rest
         await wait_for(pilot, lambda: view.markdown.source == whole, "the rest, without a Finished")
         assert writes == ["Here", whole[4:]]
 

@@ -50,8 +50,8 @@ async def test_tabs_stream_from_the_server_and_the_panel_draws_its_blocks(tmp_pa
         assert app.sub_title.startswith("remote") and server.url in app.sub_title
         first = await send(pilot, "hello there")
         await app.action_new_tab()
-        await pilot.pause()
-        second = await send(pilot, "what is a block?")
+        assert app.active_tab is not first
+        second = await send(pilot, "what is a block?")  # once the new tab's input has the focus
         await wait_for(pilot, lambda: replied(first) and replied(second), "both replies", timeout=60)
         direct = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0).chat.completions.create(
             model="demo", messages=first.chat_messages()[:-1], max_tokens=12, temperature=0.0)
@@ -109,14 +109,19 @@ async def test_a_metrics_only_server_shows_usage_and_one_without_data_says_so(tm
     app = make_app(tmp_path, **{"ui.show_kv_panel": True})
     async with app.run_test(size=SIZE) as pilot:
         panel = app.kv_panel
+        await wait_for(pilot, lambda: panel.query(ServerView) and panel.query_one(ServerView).is_mounted,
+                       "the server view")
+        view = panel.query_one(ServerView)
         for usage in (0.25, 0.5):
             panel.show_server(ServerStats("vllm", kv_usage=usage, prefix_hit_rate=0.4, running=3, waiting=1,
                                           preemptions=2))
-        await pilot.pause()
-        view = panel.query_one(ServerView)
-        text = str(view.query_one("#srv-usage").render()) + str(view.query_one("#srv-line").render())
+
+        def shown() -> str:
+            return str(view.query_one("#srv-usage").render()) + str(view.query_one("#srv-line").render())
+
+        await wait_for(pilot, lambda: "50.0% used" in shown(), "the usage shown")
+        text = shown()
         assert "50.0% used" in text and "prefix hits 40.0%" in text and "3 running, 1 waiting" in text
         assert list(view.usage) == [0.25, 0.5] and view.query_one("#srv-spark").display
         panel.show_server(ServerStats(""))
-        await pilot.pause()
-        assert str(view.query_one("#srv-usage").render()) == NO_DATA
+        await wait_for(pilot, lambda: str(view.query_one("#srv-usage").render()) == NO_DATA, "no data, said")

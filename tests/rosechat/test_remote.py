@@ -55,6 +55,20 @@ class Events:
                                              and e.request_id == rid), None), timeout)
 
 
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.01)
+
+
+def settle(b: RemoteBackend, timeout: float = 30.0) -> None:
+    """Every callback already queued on the backend's loop has run (whatever they emit, emitted)."""
+    done = threading.Event()
+    b._loop.call_soon_threadsafe(done.set)
+    assert done.wait(timeout), "the backend's loop did not answer"
+
+
 def backend(url: str, **kw) -> tuple[RemoteBackend, Events]:
     events = Events()
     b = RemoteBackend(url, events.push, **kw)
@@ -131,7 +145,11 @@ def test_abort_keeps_the_text_so_far_and_drop_ends_silently(server: BackgroundSe
         events.wait(lambda items: any(isinstance(e, TokenDelta) and e.request_id == dropped for e in items))
         b.drop_conversation(cid)
         marker = b.submit_turn(b.new_conversation(), chat("hi"), SamplingParams(max_tokens=2))
-        events.end_of(marker)  # later than the drop: nothing came for the dropped request
+        events.end_of(marker)  # a turn submitted after the drop has come and gone
+        # and the dropped turn has ended too: every turn ends in _end, which would report it (the
+        # turn is forgotten first, then its event emitted, in one callback on the backend's loop)
+        wait_until(lambda: dropped not in b._turns, "the dropped turn to end")
+        settle(b)
         assert not any(isinstance(e, (Finished, EngineError)) and e.request_id == dropped for e in events.items)
     finally:
         b.shutdown()

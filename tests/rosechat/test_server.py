@@ -307,11 +307,12 @@ def test_sse_wire_format_ends_with_done(server: BackgroundServer) -> None:
 # ---------------------------------------------------------------------- the command line
 def test_rosechat_serve_command_serves_and_stops_on_ctrl_c(tmp_path) -> None:
     import os
-    import re
     import signal
     import subprocess
     import sys
     from pathlib import Path
+
+    from rosechat.bench.serve import ChildLog
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "ROSECHAT_API_KEY": KEY}
@@ -319,25 +320,24 @@ def test_rosechat_serve_command_serves_and_stops_on_ctrl_c(tmp_path) -> None:
            "demo", "--device", "cpu", "--num-blocks", "64", "--port", "0", "--max-tokens", "4"]
     (tmp_path / "none.toml").write_text("")
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    # read on a thread: every wait below has a deadline, however silent the server stays
+    log = ChildLog(proc, r"on (http://127\.0\.0\.1:\d+)/v1", name="rosechat serve", keep=100_000)
     try:
-        url = None
-        for line in proc.stderr:  # the line naming the address comes once the socket is bound
-            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
-                url = m.group(1)
-                break
-        assert url, "no listening line"
+        url = log.wait(180).group(1)  # the line naming the address comes once the socket is bound
         wait_for(lambda: _health(url))
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
         r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], temperature=0)
         assert r.usage.completion_tokens <= 4  # --max-tokens is the default for requests without one
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
-        rest = proc.stderr.read()
+        assert log.wait_closed(30), "the server exited but its stderr stayed open"
+        text = log.text()
+        rest = text[text.index(url):]
         assert "rosechat serve: stopped" in rest and "Traceback" not in rest
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
 
 
 def _health(url: str) -> bool:
