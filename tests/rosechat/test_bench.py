@@ -5,6 +5,7 @@ the decode-overhead section and the profiler trace."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -168,9 +169,11 @@ def test_chat_with_packed_weights_against_the_dense_model(tiny_gguf: Path, capsy
     argv = ["chat", "--model", str(tiny_gguf), "--systems", f"{ROSECHAT},{GENERATE}", "--no-llama-cpp",
             "--conversations", "2", "--system-tokens", "32", "--user-tokens", "8", "--max-tokens", "5",
             "--decode-batches", "1", "--decode-context", "16", "--decode-steps", "2"]
-    packed = run_bench(capsys, *argv, "--quantization", "auto")
-    dense = run_bench(capsys, *argv)
+    packed = run_bench(capsys, *argv)  # the default: what a user gets, the file's blocks kept packed
+    dense = run_bench(capsys, *argv, "--quantization", "none")
     assert packed["quantization"] == "auto" and dense["quantization"] == "none"
+    ours = f"rosechat {os.environ['ROSECHAT_CPU_ISA']}" if os.environ["ROSECHAT_CPU_ISA"] != "generic" else "torch"
+    assert packed["kernels"].startswith(ours) and "float32" in packed["reason"]  # the header says what ran
     for report in (packed, dense):
         systems = {s["name"]: s for s in report["systems"]}
         assert list(systems) == [ROSECHAT, GENERATE]
