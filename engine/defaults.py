@@ -1,7 +1,7 @@
 """Every "auto" default, resolved in one place for every entry point (the app, `serve`, `bench`,
 `LLMEngine.from_pretrained`, `load_model`): device, dtype, quantization, attention backend and the
 CPU kernels. Each decision keeps its reason, shown where the dtype is shown (title, bench header,
-/v1/models) and logged once.
+/v1/models).
 
 On the CPU: a GGUF stays packed ("auto") unless "none" is asked for, and activations are float32
 unless bfloat16 is asked for: our packed kernels and the fused decode step compute in float32, and
@@ -12,7 +12,6 @@ Triton path has been run and timed on a GPU.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,6 @@ kernel_status = cpu_ops.build_status  # "rosechat avx2 (...)" or "torch (why our
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 _ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,13 +79,13 @@ def resolve(device: str = "auto", dtype: str | torch.dtype = "auto", quantizatio
         else:
             why = f"{name}: asked for"
     else:
-        choice = cpu_isa.choose(cpu_isa.cpu_flags() if flags is None else flags)
+        flags = cpu_isa.cpu_flags() if flags is None else flags
+        choice = cpu_isa.choose(flags)
         isa, kernels = choice.isa, f"kernels {choice.reason}"
         if name == "auto":
             name = "float32"
             why = "float32: the CPU default (our kernels compute in float32"
-            why += "; this CPU has native bfloat16, measured slower here)" if cpu_isa.has_bf16(
-                cpu_isa.cpu_flags() if flags is None else flags) else ")"
+            why += "; this CPU has native bfloat16, measured slower here)" if cpu_isa.has_bf16(flags) else ")"
         else:
             why = f"{name}: asked for" + (" (our float32 kernels do not run it: torch's ops do)"
                                           if name != "float32" else "")

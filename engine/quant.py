@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 import kernels
+from engine.defaults import QUANTIZATIONS
 from engine.packed_weights import GPUBlockWeight, Int4Weight, Int8Weight, PackedWeight, Q4Weight, Q8Weight
 from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API lives here)
     GROUP,
@@ -45,7 +46,7 @@ from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API l
 )
 from kernels import cpu_ops
 
-MODES = ("auto", "none", "int8", "int4")
+MODES = QUANTIZATIONS  # what load_model accepts (engine/defaults.py resolves "auto")
 CPU = torch.device("cpu")
 
 # the precision class a file's tensor keeps under quantization="auto"

@@ -9,6 +9,7 @@ same stages run as torch ops, a stage only when some row needs it."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -145,10 +146,9 @@ def flat_seen(seen_token_ids: list[list[int]] | None, rows: int) -> tuple[Tensor
     """Each row's seen ids, concatenated, and the rows' offsets into them ([rows + 1])."""
     if seen_token_ids is None:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(rows + 1, dtype=torch.int64)
-    offsets = [0]
-    for ids in seen_token_ids:
-        offsets.append(offsets[-1] + len(ids))
-    flat = [t for ids in seen_token_ids for t in ids]
+    # chained in C, not a Python loop over every token of every context each step
+    offsets = list(itertools.accumulate((len(ids) for ids in seen_token_ids), initial=0))
+    flat = list(itertools.chain.from_iterable(seen_token_ids))
     return torch.tensor(flat, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
 
 

@@ -1,8 +1,8 @@
 """Which variant of our CPU kernels runs here: chosen once from the CPU's own flags (cpuid, as Linux
 reports it), or forced with ROSECHAT_CPU_ISA=avx512|avx2|generic ("generic": torch's own ops, no C++).
 
-As llama.cpp's ggml-cpu, each variant is compiled for its ISA alone (never -march=native) and picked
-at run time, so a build cached on one machine is never run by a CPU that lacks its instructions.
+As llama.cpp's ggml-cpu, each variant is compiled for its own ISA's flags alone (never the build
+machine's) and picked at run time, so a build cached on one machine is never run by a CPU that lacks its instructions.
 """
 
 from __future__ import annotations

@@ -457,38 +457,36 @@ int64_t sample_penalised(float* x, int64_t n, float temperature, int64_t top_k, 
     while (kept < cand.size() && (kept == 0 || before < need)) before += cand[kept++].w;
     cand.resize(kept);
   }
-  if (!cand.empty()) {  // the kept few, in vocabulary order
-    std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) { return a.id < b.id; });
-    double mass = 0.0;
-    for (const Cand& c : cand) mass += c.w >= keep_from ? c.w : 0.0f;
+  // The draw: the kept tokens (weight >= keep_from and > 0) in vocabulary order, the first whose running
+  // weight passes u * their total. size and at(k) -> (weight, id) name them: the few candidates, or all.
+  // `known`: their total where already summed (all tokens, no min-p), else < 0
+  const auto draw = [&](size_t size, auto at, double known) -> int64_t {
+    double mass = known;
+    if (mass < 0.0) {
+      mass = 0.0;
+      for (size_t k = 0; k < size; ++k) {
+        const float v = at(k).first;
+        mass += v >= keep_from ? v : 0.0f;
+      }
+    }
     const double target = u * mass;
     double run = 0.0;
-    int64_t last = cand.front().id;
-    for (const Cand& c : cand) {
-      if (c.w < keep_from || c.w <= 0.0f) continue;
-      last = c.id;
-      run += c.w;
-      if (run > target) return c.id;
+    int64_t last = top;
+    for (size_t k = 0; k < size; ++k) {
+      const auto [v, id] = at(k);
+      if (v < keep_from || v <= 0.0f) continue;
+      last = id;
+      run += v;
+      if (run > target) return id;
     }
     return last;  // u * mass rounded past the end
+  };
+  if (!cand.empty()) {
+    std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) { return a.id < b.id; });
+    return draw(cand.size(), [&](size_t k) { return std::pair<float, int64_t>(cand[k].w, cand[k].id); }, -1.0);
   }
-  double mass = 0.0;
-  if (keep_from > 0.0f) {
-    for (int64_t j = 0; j < n; ++j) mass += w[j] >= keep_from ? w[j] : 0.0f;
-  } else {
-    mass = total;
-  }
-  const double target = u * mass;
-  double run = 0.0;
-  int64_t last = top;
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = w[j];
-    if (v < keep_from || v <= 0.0f) continue;
-    last = j;
-    run += v;
-    if (run > target) return j;
-  }
-  return last;
+  return draw(static_cast<size_t>(n), [&](size_t k) { return std::pair<float, int64_t>(w[k], k); },
+              keep_from > 0.0f ? -1.0 : total);
 }
 
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& seen, const at::Tensor& seen_offsets,

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rosechat.history import HistoryStore
 from rosechat.widgets.chat import ChatMessage, ReplyStats
 
-if TYPE_CHECKING:
-    from rosechat.widgets.tab import ChatTab
+
+class SavedTab(Protocol):
+    """What the saver reads of a tab (a ChatTab): so the two modules do not import each other."""
+
+    history_id: int | None
+    chat_title: str
+    system_prompt: str
 
 
 class Saver:
@@ -27,7 +32,7 @@ class Saver:
             self.notify(f"{type(e).__name__}: {e}", title="History not saved", severity="error")
             return None
 
-    def save(self, tab: ChatTab, message: ChatMessage, **stats: Any) -> int | None:
+    def save(self, tab: SavedTab, message: ChatMessage, **stats: Any) -> int | None:
         """Save a completed message, creating the saved conversation on its first message."""
         if tab.history_id is None:
             tab.history_id = self.call(self.history.create_conversation, tab.chat_title, tab.system_prompt,
@@ -36,7 +41,7 @@ class Saver:
                 return None
         return self.call(self.history.add_message, tab.history_id, message.role, message.content, **stats)
 
-    def save_reply(self, tab: ChatTab, message: ChatMessage, stats: ReplyStats) -> None:
+    def save_reply(self, tab: SavedTab, message: ChatMessage, stats: ReplyStats) -> None:
         """Save a reply with its figures, or update it (another alternative shown, regenerated)."""
         figures = dict(tokens=stats.tokens, ttft_s=stats.ttft_s, tokens_per_s=stats.tokens_per_s,
                        finish_reason=stats.finish_reason)
