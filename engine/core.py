@@ -57,6 +57,14 @@ class EngineInfo:
     quantization: str = ""  # what load_model was asked for ("auto": as the file has them)
     kernels: str = ""  # what runs the CPU math: "rosechat avx2 (...)" or "torch (why)"; "cuda" on a GPU
 
+    @property
+    def runs_on(self) -> str:
+        """Short, for a title: "cpu avx2" (our kernels), "cpu torch" (torch's: ours did not load; the attention
+        backend is torch there anyway), or the device and attention backend elsewhere ("cuda triton")."""
+        if self.device == "cpu":
+            return f"cpu {self.kernels.split(' (')[0].removeprefix('rosechat ')}"
+        return f"{self.device} {self.backend}"
+
 
 @dataclass
 class StepStats:

@@ -161,11 +161,8 @@ class RoseChatApp(App[None]):
         self.model, self.model_notice = event.model, event.notice
         self.llm = event.llm
         info = self.llm.info
-        # On the CPU the kernels say what runs ("cpu avx2", or "cpu torch" where ours did not load: the
-        # attention backend is torch there anyway); on CUDA the attention backend does.
-        runs = (f"cpu {info.kernels.split(' (')[0].removeprefix('rosechat ')}" if info.device == "cpu"
-                else f"{info.device} {info.backend}")
-        self._backend_ready(local_backend(self.llm, self.events.push), " · ".join([info.name, runs, info.dtype]))
+        self._backend_ready(local_backend(self.llm, self.events.push),
+                            " · ".join([info.name, info.runs_on, info.dtype]))
         if self.model_notice:
             self.notify(self.model_notice, title="Model not found", severity="warning", timeout=15)
 

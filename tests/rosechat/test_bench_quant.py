@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rosechat.bench import quant
+from rosechat.bench import quant, quant_decode
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
                                 reason="torch without the CPU weight-only kernels")
@@ -31,8 +31,8 @@ def test_decode_runs_each_quantization_in_its_own_process(tmp_path: Path) -> Non
 
     path = tmp_path / "tiny-q4.gguf"
     write_gguf(path, "llama", qtype="Q4_0")
-    results = quant.run_decode(str(path), ["none", "auto", "auto/torch"], threads=1, prompt_tokens=40, new_tokens=6,
-                               streams=[2])
+    results = quant_decode.run_decode(str(path), ["none", "auto", "auto/torch"], threads=1, prompt_tokens=40,
+                                      new_tokens=6, streams=[2])
     none, auto, auto_torch = results
     assert none["packed_bytes"] == 0 and auto["packed_bytes"] > 0
     # torch's int4 format keeps bf16 scale + zero per group, ours fp32 d + m: the routes differ
@@ -41,19 +41,20 @@ def test_decode_runs_each_quantization_in_its_own_process(tmp_path: Path) -> Non
     assert none["decode_tok_s"] > 0 and auto["decode_tok_s"] > 0
     # the prefill figure times whole prompts: none of their 16-token blocks came from the prefix cache
     assert auto["prefilled_tokens"] == 2 * 40
-    assert "auto" in quant.render_decode(results)
+    assert "auto" in quant_decode.render_decode(results)
 
 
-@pytest.mark.skipif(not quant.llama_cpp_available(), reason="llama-cpp-python is an optional extra (.[llamacpp])")
+@pytest.mark.skipif(not quant_decode.llama_cpp_available(),
+                    reason="llama-cpp-python is an optional extra (.[llamacpp])")
 def test_llama_cpp_runs_as_a_peer_on_the_same_file() -> None:
     from engine import resolve_model
 
     source = resolve_model("smollm2-135m-instruct")
-    results = quant.run_decode(str(source.path), [quant.LLAMA_CPP], threads=1, prompt_tokens=8, new_tokens=6,
-                               streams=[2])
+    results = quant_decode.run_decode(str(source.path), [quant_decode.LLAMA_CPP], threads=1, prompt_tokens=8,
+                                      new_tokens=6, streams=[2])
     (r,) = results
     assert r["mode"] == "llama.cpp" and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
-    assert "llama.cpp seq" in quant.render_decode(results)  # 2 streams run one after another
+    assert "llama.cpp seq" in quant_decode.render_decode(results)  # 2 streams run one after another
 
 
 def test_the_busy_neighbour_computes_while_the_runs_go_on_and_is_gone_after() -> None:
@@ -62,9 +63,9 @@ def test_the_busy_neighbour_computes_while_the_runs_go_on_and_is_gone_after() ->
             fields = f.read().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])
 
-    with quant.neighbour(0) as none:
+    with quant_decode.neighbour(0) as none:
         assert none is None
-    with quant.neighbour(1) as proc:
+    with quant_decode.neighbour(1) as proc:
         assert proc is not None
         deadline = time.monotonic() + 60
         while cpu_ticks(proc.pid) < 20 and proc.poll() is None and time.monotonic() < deadline:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rosechat.bench import serve
+from rosechat.bench import serve, server_process
 
 
 def test_bench_serve_reports_both_systems_without_errors() -> None:
@@ -54,9 +54,10 @@ def _python(code: str) -> list[str]:
 def test_a_silent_server_fails_at_the_deadline_and_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     started = _spy_popen(monkeypatch)
     t0 = time.monotonic()
-    with pytest.raises(serve.ChildStartError, match=r"has not printed its address within 1 s .*still running") as info:
+    silent = r"has not printed its address within 1 s .*still running"
+    with pytest.raises(server_process.ChildStartError, match=silent) as info:
         # one line, then nothing more: the wait must not hang on a next line that never comes
-        serve.ServerProcess([], timeout=1.0, command=_python(
+        server_process.ServerProcess([], timeout=1.0, command=_python(
             "import sys, time; print('loading the model', file=sys.stderr, flush=True); time.sleep(120)"))
     assert time.monotonic() - t0 < 20  # the deadline, plus stopping it (SIGINT, a kill after 5 s)
     (proc,) = started
@@ -68,16 +69,16 @@ def test_a_silent_server_fails_at_the_deadline_and_is_stopped(monkeypatch: pytes
 def test_a_server_that_prints_nothing_at_all_fails_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     started = _spy_popen(monkeypatch)
     t0 = time.monotonic()
-    with pytest.raises(serve.ChildStartError, match="it wrote nothing to stderr"):
-        serve.ServerProcess([], timeout=0.5, command=_python("import time; time.sleep(120)"))
+    with pytest.raises(server_process.ChildStartError, match="it wrote nothing to stderr"):
+        server_process.ServerProcess([], timeout=0.5, command=_python("import time; time.sleep(120)"))
     assert time.monotonic() - t0 < 20
     assert started[0].poll() is not None
 
 
 def test_a_server_that_exits_at_once_is_said_with_its_code_and_last_words() -> None:
     t0 = time.monotonic()
-    with pytest.raises(serve.ChildStartError) as info:
-        serve.ServerProcess([], timeout=300.0, command=_python(
+    with pytest.raises(server_process.ChildStartError) as info:
+        server_process.ServerProcess([], timeout=300.0, command=_python(
             "import sys; print('rosechat serve: no such model: nope', file=sys.stderr); sys.exit(3)"))
     assert time.monotonic() - t0 < 60  # seen as it exits, not at the (long) deadline
     message = str(info.value)
@@ -87,7 +88,7 @@ def test_a_server_that_exits_at_once_is_said_with_its_code_and_last_words() -> N
 def test_the_address_is_read_and_the_log_kept_draining() -> None:
     # the address, then far more log than a pipe holds: nobody reads the log, yet the child never
     # blocks writing it (it could not exit if it did)
-    server = serve.ServerProcess([], timeout=120.0, command=_python(
+    server = server_process.ServerProcess([], timeout=120.0, command=_python(
         "import sys\n"
         "print('rosechat serve: demo on http://127.0.0.1:4321/v1', file=sys.stderr, flush=True)\n"
         "for i in range(20000): print('request', i, 'x' * 60, file=sys.stderr)\n"))

@@ -312,7 +312,7 @@ def test_rosechat_serve_command_serves_and_stops_on_ctrl_c(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    from rosechat.bench.serve import ChildLog
+    from rosechat.bench.server_process import ChildLog
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "ROSECHAT_API_KEY": KEY}
