@@ -1,4 +1,5 @@
-"""Command line entry point: ``rosechat [options]`` starts the app; ``rosechat bench|info ...``."""
+"""Command line entry point: ``rosechat [options]`` starts the app; ``rosechat info|serve|bench ...``, each
+with its own options (the ones several commands take are defined once, below)."""
 
 from __future__ import annotations
 
@@ -55,21 +56,35 @@ FLAG_KEYS = {
 }
 
 
-def _options(parser: argparse.ArgumentParser) -> None:
-    """The options of the app and of `rosechat info`: each overrides one config.toml key."""
+# --- options: one definition each, composed per command --------------------------------------------
+# Every parser here is built with argument_default=SUPPRESS: an option that is not given is absent
+# from the namespace (overrides_from reads it with a default), so an option given before the command
+# (`rosechat --config F serve`) is not reset by the command's own default.
+
+
+def _config_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="a TOML file overriding the user config")
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model")
     m.add_argument("--model", metavar="PATH_OR_ID",
                    help='a .gguf file, a folder (one .gguf, or a Hugging Face model), a hub id, '
                    '"smollm2-135m-instruct" (the default) or "demo" (random weights)')
-    m.add_argument("--dtype", choices=DTYPES, help="weights and KV cache "
-                   "(auto: bfloat16 on CUDA and bf16-capable CPUs, else float32)")
+    m.add_argument("--dtype", choices=DTYPES, help="activations and KV cache (auto, the default: float32 on "
+                   "the CPU, where our kernels compute in it; bfloat16 on CUDA, float16 where the GPU lacks it)")
     m.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="packed weights: auto (the default: GGUF tensors packed as the file has them), "
-                   "none (dequantized: exact), int8, int4")
-    m.add_argument("--device", help='"auto", "cpu", "cuda", "cuda:N"')
-    m.add_argument("--backend", choices=BACKENDS, help="paged-attention implementation (auto: triton on CUDA)")
-    m.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model (0 = one per core)")
+                   help="weights: auto (the default: on the CPU a GGUF's tensors stay packed as the file has "
+                   "them; on CUDA dense), none (dequantized at load: exact), int8, int4 (every linear layer "
+                   "packed; CPU only)")
+    m.add_argument("--device", help='"auto" (the default: CUDA when torch sees a GPU), "cpu", "cuda", "cuda:N"')
+    m.add_argument("--backend", choices=BACKENDS,
+                   help="paged-attention implementation (auto: triton on CUDA, torch on the CPU)")
+    m.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for the model (0 = PyTorch's default, one per core)")
+
+
+def _cache_options(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("KV cache and scheduling")
     c.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (a power of two)")
     c.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache budget (0 = automatic)")
@@ -77,60 +92,132 @@ def _options(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences per engine step")
     c.add_argument("--max-batched-tokens", type=int, metavar="N",
                    help="tokens per engine step (longer prompts are prefilled in chunks)")
-    c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+    c.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                    help="reuse the KV blocks of prefixes seen before")
-    s = parser.add_argument_group("sampling (the model's own settings apply where these are not given)")
-    s.add_argument("--temperature", type=float, help="0 = greedy")
-    s.add_argument("--top-p", type=float, help="nucleus sampling mass, (0, 1]")
-    s.add_argument("--top-k", type=int, help="0 = off")
-    s.add_argument("--min-p", type=float, help="drop tokens below min_p x the top probability; 0 = off")
-    s.add_argument("--max-tokens", type=int, help="longest reply (lowered to what the context leaves)")
-    s.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats; 1 = off")
+
+
+def _sampling_options(parser: argparse.ArgumentParser, title: str = "sampling", what: str = "") -> None:
+    s = parser.add_argument_group(title, f"{what}The model's own settings apply where these are not given.")
+    s.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")
+    s.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass, (0, 1]")
+    s.add_argument("--top-k", type=int, metavar="K", help="0 = off")
+    s.add_argument("--min-p", type=float, metavar="P",
+                   help="drop tokens below min_p x the top probability; 0 = off")
+    s.add_argument("--max-tokens", type=int, metavar="N", help="longest reply (lowered to what the context leaves)")
+    s.add_argument("--repetition-penalty", type=float, metavar="X", help="> 1 discourages repeats; 1 = off")
     s.add_argument("--repetition-window", type=int, metavar="N",
-                   help="the penalty looks at the reply's last N tokens; 0 = the whole chat")
-    s.add_argument("--seed", type=int, help="-1 = random")
+                   help="the penalty looks at the reply's last N tokens; 0 = the whole context, prompt included")
+    s.add_argument("--seed", type=int, metavar="N", help="-1 = a fresh random seed each time")
+
+
+def _app_options(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument_group("chat and app")
     a.add_argument("--system-prompt", metavar="TEXT", help="system prompt of new conversations")
     a.add_argument("--alternatives", type=int, metavar="N", help="replies sampled by ctrl+r")
     a.add_argument("--history", metavar="PATH", help="SQLite file for saved conversations")
     a.add_argument("--theme", help="a Textual theme, e.g. textual-dark, nord, gruvbox")
-    a.add_argument("--kv-panel", action=argparse.BooleanOptionalAction, default=None, help="show the KV panel")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from rosechat import __version__
-
-    p = argparse.ArgumentParser(
-        prog="rosechat",
-        description="Terminal chat for local language models on a paged KV-cache engine. "
-        "Options override config.toml; see `rosechat --print-config-path`.",
-    )
-    p.add_argument("--version", action="version", version=f"rosechat {__version__}")
-    p.add_argument("--print-config-path", action="store_true", help="print where the user config file goes")
-    _options(p)
-    r = p.add_argument_group("remote server (instead of the in-process engine)")
+    a.add_argument("--kv-panel", action=argparse.BooleanOptionalAction, help="show the KV panel")
+    r = parser.add_argument_group("remote server (instead of the in-process engine)")
     r.add_argument("--remote", metavar="URL", help="an OpenAI-compatible server: vLLM, SGLang, llama.cpp, Ollama, "
                    "rosechat serve (e.g. http://localhost:8000/v1); --model then names the served model")
     r.add_argument("--api-key", metavar="KEY", help="the remote server's API key (or set $ROSECHAT_API_KEY)")
-    commands = p.add_subparsers(dest="command", title="commands (without one, the app starts)", metavar="")
-    info = commands.add_parser("info", help="the backend, the model and each effective sampling setting with "
-                               "where it comes from", description="Show the backend, the model and each "
-                               "effective sampling setting with where it comes from; takes the app's options.")
-    _options(info)
-    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine",
-                                description="Serve the model over an OpenAI-compatible HTTP API (chat and text "
-                                "completions, /v1/models, /health, /metrics); takes the app's model, cache and "
-                                "sampling options (sampling ones are defaults for fields a request leaves out).")
-    _options(serve)
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser (the app's options) and each command's own (info, serve; bench parses its own)."""
+    from rosechat import __version__
     from rosechat.server.cli import add_serve_options
 
+    quiet = argparse.SUPPRESS
+    p = argparse.ArgumentParser(
+        prog="rosechat", argument_default=quiet, exit_on_error=False,  # _parse names a misplaced option
+        usage="%(prog)s [options]  (the app)\n       %(prog)s {info,serve,bench} [options]",
+        description="Terminal chat for local language models on a paged KV-cache engine. Without a command "
+        "the app starts, with the options below. Options override config.toml; see `rosechat "
+        "--print-config-path`. Each command has its own options: `rosechat COMMAND --help`.",
+    )
+    p.add_argument("--version", action="version", version=f"rosechat {__version__}")
+    p.add_argument("--print-config-path", action="store_true", default=False,
+                   help="print where the user config file goes")
+    commands = p.add_subparsers(dest="command", title="commands (without one, the app starts)", metavar="COMMAND")
+    info = commands.add_parser(
+        "info", prog="rosechat info", argument_default=quiet,
+        help="the model and where each sampling setting comes from",
+        description="Show the versions, the backend, the model and each effective sampling setting with where "
+        "it comes from (a flag, a config file, the model's own settings or rosechat's default).")
+    serve = commands.add_parser(
+        "serve", prog="rosechat serve", argument_default=quiet, help="an OpenAI-compatible HTTP server over the engine",
+        description="Serve the model over an OpenAI-compatible HTTP API (chat and text completions, "
+        "/v1/models, /health, /metrics). Options override config.toml, as for the app.")
+    commands.add_parser("bench", prog="rosechat bench", add_help=False,
+                        help="benchmarks and checks (`rosechat bench --help`)")
+    # the app
+    _config_option(p)
+    _model_options(p)
+    _cache_options(p)
+    _sampling_options(p)
+    _app_options(p)
+    # rosechat info: what choosing the model and reporting its sampling settings read
+    _config_option(info)
+    _model_options(info)
+    _sampling_options(info)
+    # rosechat serve
+    _config_option(serve)
+    _model_options(serve)
+    _cache_options(serve)
+    _sampling_options(serve, "sampling defaults", "For the fields a request leaves out. ")
     add_serve_options(serve)
-    commands.add_parser("bench", add_help=False, help="benchmarks and checks (`rosechat bench --help`)")
-    return p
+    return p, {"info": info, "serve": serve}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each dest the parser has -> its first option string (argparse keeps its actions in _actions)."""
+    return {a.dest: a.option_strings[0] if a.option_strings else a.dest for a in parser._actions}
+
+
+def _hint(tokens: list[str], parser: argparse.ArgumentParser, parsers: dict[str, argparse.ArgumentParser]) -> str:
+    """' (--host is an option of `rosechat serve`; ...)' for the first of `tokens` that another command takes."""
+    for flag in (t.split("=")[0] for t in tokens if t.startswith("--")):
+        if flag in _option_strings(parser):
+            continue
+        owners = [who for who, c in parsers.items() if flag in _option_strings(c)]
+        if owners:
+            return f" ({flag} is an option of {' and '.join(owners)}; see `{parser.prog} --help`)"
+    return ""
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Parse, refusing (exit 2, naming it) an option the command does not take, given before it or after it."""
+    top, commands = _parsers()
+    parsers = {"the app": top, **{f"`rosechat {name}`": c for name, c in commands.items()}}
+    try:
+        args, extra = top.parse_known_args(argv)
+    except argparse.ArgumentError as e:  # e.g. `rosechat --host X`: X taken for the command
+        top.error(f"{e}{_hint(argv, top, parsers)}")
+    if args.command == "bench":  # main() hands `rosechat bench ...` to the bench before parsing
+        top.error("`rosechat bench` takes no options before it: rosechat bench [options] (`rosechat bench --help`)")
+    parser = commands.get(args.command, top)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{_hint(extra, parser, parsers)}")
+    if args.command in commands:  # an option given before the command must be one the command takes
+        takes = _flags(parser)
+        for dest in sorted(vars(args).keys() - takes.keys() - {"command", "print_config_path"}):
+            parser.error(f"{_flags(top)[dest]} (given before the command) is an option of the app, not of "
+                         f"`{parser.prog}`: its options go after it (see `{parser.prog} --help`)")
+    return args
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
-    return {key: getattr(args, dest) for dest, key in FLAG_KEYS.items() if getattr(args, dest) is not None}
+    """Config keys set by the options given; an option the command does not have overrides nothing."""
+    return {key: value for dest, key in FLAG_KEYS.items() if (value := getattr(args, dest, None)) is not None}
 
 
 def _bench(argv: list[str]) -> int:
@@ -188,17 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     info = args.command == "info"
     if args.print_config_path:
         print(rosechat_config.user_config_path())
         return 0
+    config_file, overrides = getattr(args, "config", None), overrides_from(args)
     try:
-        config = load_config(args.config, overrides_from(args))
-        if config.remote.url and args.model and args.command is None:  # --model names the served model
-            overrides = overrides_from(args)
+        config = load_config(config_file, overrides)
+        if config.remote.url and "model.name" in overrides and args.command is None:  # the served model
             overrides["remote.model"] = overrides.pop("model.name")
-            config = load_config(args.config, overrides)
+            config = load_config(config_file, overrides)
     except ConfigError as e:
         print(f"rosechat: config error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""`rosechat serve`: load the model with the app's options, then serve it until Ctrl+C."""
+"""`rosechat serve`: load the model with the model, cache and sampling options it shares with the app
+(rosechat/cli.py), then serve it until Ctrl+C."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ API_KEY_ENV = "ROSECHAT_API_KEY"
 
 
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    """The server's own options. Each has its default here: the parser may suppress absent options."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free one; default 8000)")
-    g.add_argument("--api-key", metavar="KEY",
+    # not dest api_key: that is the app's --api-key, the key of a remote server (remote.api_key)
+    g.add_argument("--api-key", dest="server_api_key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
-    g.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: --model)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: --model)")
     g.add_argument("--max-queued", type=int, default=256, metavar="N",
-                   help="requests in flight (running + waiting) before new ones get 503")
-    g.add_argument("--max-n", type=int, default=16, metavar="N", help="most samples (n) per request")
+                   help="requests in flight (running + waiting) before new ones get 503 (default 256)")
+    g.add_argument("--max-n", type=int, default=16, metavar="N", help="most samples (n) per request (default 16)")
 
 
 def _is_loopback(host: str) -> bool:
@@ -37,7 +41,7 @@ def serve(config: Config, args: argparse.Namespace) -> int:
     from rosechat.server.app import ServerSettings, create_app
     from rosechat.server.run import bind, uvicorn_config
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = args.server_api_key or os.environ.get(API_KEY_ENV) or None
     if not _is_loopback(args.host) and not api_key:
         print(f"rosechat serve: warning: listening on {args.host} without an API key: anyone who can reach "
               "this port can use the model", file=sys.stderr)

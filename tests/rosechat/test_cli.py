@@ -68,13 +68,109 @@ def test_flags_override_config_and_start_the_app(tmp_path: Path, launched) -> No
     assert (tmp_path / "h.db").exists()
 
 
+SERVER_DESTS = {"host", "port", "server_api_key", "served_model_name", "max_queued", "max_n"}
+
+
 def test_every_flag_maps_to_a_config_key() -> None:
-    parser = cli.build_parser()
-    dests = {a.dest for a in parser._actions} - {"help", "version", "config", "print_config_path", "command"}
+    top, commands = cli._parsers()
+    dests = {a.dest for a in top._actions} - {"help", "version", "config", "print_config_path", "command"}
     assert dests == set(cli.FLAG_KEYS)
+    for name, parser in commands.items():  # a command's options are the app's, or the server's own
+        own = {a.dest for a in parser._actions} - {"help", "config"}
+        assert own - SERVER_DESTS <= set(cli.FLAG_KEYS), name
     for key in cli.FLAG_KEYS.values():
         section, name = key.split(".")
         assert name in {f for f in cfg.SECTIONS[section].__dataclass_fields__}
+
+
+def _help(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as done:
+        cli.main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+APP_ONLY = ["--theme", "--kv-panel", "--alternatives", "--history", "--system-prompt", "--remote"]
+
+
+def test_serve_help_shows_server_options_only(capsys) -> None:
+    out = _help(capsys, ["serve"])
+    assert out.startswith("usage: rosechat serve")
+    flags = set(out.replace("[", " ").replace("]", " ").split())
+    assert not flags & set(APP_ONLY) and "--no-kv-panel" not in flags
+    assert {"--model", "--dtype", "--device", "--config", "--block-size", "--kv-cache-mib", "--temperature",
+            "--max-tokens", "--host", "--port", "--api-key", "--served-model-name", "--max-queued",
+            "--max-n"} <= flags
+    assert "sampling defaults" in out and "a request leaves out" in out
+    assert "remote server's API key" not in out  # serve's --api-key is the key it asks for
+
+
+def test_top_help_lists_each_command_on_one_line_and_the_app_options(capsys) -> None:
+    out = _help(capsys, [])
+    commands = out.split("\ncommands")[1].split("\n\n")[0].splitlines()
+    for name in ("info", "serve", "bench"):
+        (line,) = [line for line in commands if line.split()[:1] == [name]]
+        assert len(line.split()) > 3, line  # a help text beside it, on the same line
+    assert {"--theme", "--history", "--remote", "--model", "--temperature"} <= set(out.split())
+
+
+def test_info_takes_model_sampling_and_config_options(capsys) -> None:
+    out = _help(capsys, ["info"])
+    assert out.startswith("usage: rosechat info")  # help, not the info itself
+    flags = set(out.replace("[", " ").replace("]", " ").split())
+    assert {"--config", "--model", "--dtype", "--device", "--top-k", "--seed"} <= flags
+    assert not flags & {*APP_ONLY, "--block-size", "--host", "--api-key"}
+
+
+@pytest.mark.parametrize("flag", APP_ONLY)
+@pytest.mark.parametrize("command", ["serve", "info"])
+def test_an_app_option_given_to_a_command_is_an_error_naming_it(capsys, flag: str, command: str) -> None:
+    given = [flag] if flag == "--kv-panel" else [flag, "2"]
+    for argv in ([command, *given], [*given, command]):  # after the command, or before it
+        with pytest.raises(SystemExit) as refused:
+            cli.main(argv)
+        assert refused.value.code == 2
+        err = capsys.readouterr().err
+        assert f"rosechat {command}: error:" in err and flag in err and "option of the app" in err, err
+
+
+def test_a_server_option_given_to_the_app_is_an_error_naming_it(capsys) -> None:
+    for argv in (["--host", "0.0.0.0"], ["--model", "demo", "--port=8001"]):
+        with pytest.raises(SystemExit) as refused:
+            cli.main(argv)
+        assert refused.value.code == 2
+        err = capsys.readouterr().err
+        flag = argv[-2] if argv[0] == "--host" else "--port"
+        assert f"{flag} is an option of `rosechat serve`" in err, err
+
+
+def test_shared_options_give_the_same_config_keys_for_app_info_and_serve() -> None:
+    shared = ["--temperature", "0.3", "--model", "demo", "--dtype", "float32", "--device", "cpu", "--threads", "2",
+              "--top-k", "5", "--seed", "7"]
+    expected = {"sampling.temperature": 0.3, "model.name": "demo", "model.dtype": "float32", "model.device": "cpu",
+                "model.threads": 2, "sampling.top_k": 5, "sampling.seed": 7}
+    for command in ([], ["info"], ["serve"]):
+        assert cli.overrides_from(cli._parse([*command, *shared])) == expected, command
+    cache = ["--block-size", "32", "--no-prefix-caching"]
+    for command in ([], ["serve"]):
+        assert cli.overrides_from(cli._parse([*command, *cache])) == {
+            "cache.block_size": 32, "cache.enable_prefix_caching": False}
+    # the server's --api-key is the key it asks for, not the remote server's key (remote.api_key)
+    args = cli._parse(["serve", "--api-key", "k"])
+    assert args.server_api_key == "k" and cli.overrides_from(args) == {}
+
+
+def test_serve_gets_its_options_and_those_given_before_it(tmp_path: Path, monkeypatch) -> None:
+    from rosechat.server import cli as server_cli
+
+    conf = tmp_path / "c.toml"
+    conf.write_text("[sampling]\ntop_p = 0.5\n")
+    served = []
+    monkeypatch.setattr(server_cli, "serve", lambda config, args: served.append((config, args)) or 0)
+    assert cli.main(["--config", str(conf), "--temperature", "0.3", "serve", "--model", "demo", "--port", "0"]) == 0
+    ((config, args),) = served
+    assert (config.model.name, config.sampling.temperature, config.sampling.top_p) == ("demo", 0.3, 0.5)
+    assert (args.host, args.port, args.server_api_key, args.max_n) == ("127.0.0.1", 0, None, 16)
 
 
 def test_print_config_path(capsys, tmp_path: Path) -> None:
@@ -210,16 +306,10 @@ def test_info_shows_each_sampling_value_and_its_source(tmp_path: Path, capsys) -
     assert "512" in lines["max_tokens"] and "rosechat default" in lines["max_tokens"]
 
 
-def test_help_for_every_flag_and_for_info(capsys) -> None:
-    parser = cli.build_parser()
-    undocumented = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
-    assert undocumented == []
-    with pytest.raises(SystemExit) as info:
-        cli.main(["info", "--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: rosechat info") and "--model" in out  # help, not the info itself
-    with pytest.raises(SystemExit):
-        cli.main(["--help"])
-    out = capsys.readouterr().out
-    assert "info" in out and "bench" in out.split("commands")[1]
+def test_help_for_every_flag(capsys) -> None:
+    top, commands = cli._parsers()
+    for parser in (top, *commands.values()):
+        undocumented = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+        assert undocumented == [], parser.prog
+    dtype = " ".join(_help(capsys, ["serve"]).split("\n  --dtype {")[1].split("\n  --quantization")[0].split())
+    assert "float32 on the CPU" in dtype and "bfloat16 on CUDA" in dtype  # engine/defaults.py resolve()
