@@ -24,6 +24,7 @@ from rosechat.bridge import EventBuffer
 from rosechat.commands import RoseChatCommands
 from rosechat.config import Config
 from rosechat.history import HistoryStore
+from rosechat.keys import use_alt_digits
 from rosechat.saver import Saver
 from rosechat.screens import ConversationDeleted, ConversationsScreen, SystemPromptScreen, TextPromptScreen
 from rosechat.terminal import TerminalWatch
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
 
 DRAIN_HZ = 30
 
+# ESC + digit (alt+digit in tmux, screen, xterm, ...) reaches the app as alt+1…alt+9, not as
+# the macOS glyphs Textual makes of it ("¡", "™", ...): see rosechat/keys.py
+use_alt_digits()
+
 
 class RoseChatApp(App[None]):
     CSS_PATH = "app.tcss"
@@ -53,7 +58,8 @@ class RoseChatApp(App[None]):
         Binding("ctrl+w", "close_tab", "Close", priority=True),
         Binding("ctrl+f", "fork", "Fork", priority=True),
         # Tabs: f5/f6 reach the app in every terminal; ctrl+pageup/down and alt+digit where the
-        # terminal does not keep them for itself (or type characters with alt).
+        # terminal does not keep them for itself (or type characters with alt). alt+digit has no
+        # character (use_alt_digits above), so the input box never types it, priority or not.
         Binding("f5", "previous_tab", "Prev tab", show=False, priority=True),
         Binding("f6", "next_tab", "Next tab", show=False, priority=True),
         Binding("ctrl+pagedown", "next_tab", "Next tab", show=False, priority=True),
