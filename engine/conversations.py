@@ -10,7 +10,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import ContextLengthError, EngineCore, RequestError
-from engine.loader import ModelSource, Progress, load_model
+from engine.loader import ModelSource, Progress, Stages, load_model
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 
@@ -56,12 +56,13 @@ class LLMEngine(EngineCore):
     @classmethod
     def from_pretrained(cls, model: str | ModelSource, progress: Progress | None = None, **overrides) -> LLMEngine:
         """`model`: a GGUF file, a Hugging Face folder or hub id, a packaged model, "demo" (or a
-        ModelSource from resolve_model). `progress` gets a line on how far loading is."""
+        ModelSource from resolve_model). `progress` gets a LoadProgress at each stage of loading."""
         config = EngineConfig(model=str(getattr(model, "name", model)), **overrides)
+        stages = Stages(progress)
         # quantization not given: the ModelSource's own (the app's config sets it), else "auto"
-        loaded = load_model(model, dtype=config.torch_dtype, device=torch.device(config.device), progress=progress,
+        loaded = load_model(model, dtype=config.torch_dtype, device=torch.device(config.device), progress=stages,
                             quantization=overrides.get("quantization"))
-        return cls(loaded, config)
+        return cls(loaded, config, stages)
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self._chat_tokens(messages, None)[0]

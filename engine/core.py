@@ -17,7 +17,7 @@ import torch
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
 from engine.events import CacheSnapshot
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, Stages
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampler import Sampler, SamplingTensors, argmax, make_generator
@@ -90,7 +90,8 @@ def _penalised(seq: Sequence) -> list[int]:
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, stages: Stages | None = None) -> None:
+        say = stages or Stages()
         self.loaded, self.config, self.tokenizer = loaded, config, loaded.tokenizer
         # The KV cache holds what the model computes: the loaded model's dtype, whatever the config said
         device, dtype = torch.device(config.device), loaded.dtype
@@ -102,6 +103,7 @@ class EngineCore:
         layers, bs, kv_heads, head_dim = loaded.num_layers, config.block_size, loaded.num_kv_heads, loaded.head_dim
         self.kv_block_bytes = 2 * layers * bs * kv_heads * head_dim * dtype.itemsize  # K and V, all layers
         num_blocks = config.resolve_num_blocks(self.kv_block_bytes)
+        say(f"allocating the KV pool ({num_blocks} blocks of {config.block_size} tokens)")
         self.max_model_len = min(loaded.max_model_len, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

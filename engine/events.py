@@ -119,9 +119,28 @@ class EngineError:
     code: str = "engine_error"  # "context_length_exceeded", "invalid_request", ... (OpenAI-style)
 
 
+@dataclass(frozen=True)
+class LoadProgress:
+    """How far loading a model is: the stage, its steps done of total (total 0: not counted) and the
+    seconds since loading began. Sent before the engine exists, so front ends can draw a progress bar."""
+
+    stage: str  # "reading the file", "converting the tokenizer", "repacking weights", ...
+    done: int = 0
+    total: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def fraction(self) -> float | None:
+        return self.done / self.total if self.total else None
+
+    def __str__(self) -> str:
+        count = f" {self.done}/{self.total}" if self.total else ""
+        return f"{self.stage}{count} · {self.elapsed_s:.1f} s"
+
+
 Event = TurnStarted | TurnPreempted | TokenDelta | Finished | EngineError | CacheSnapshot
 
 __all__ = [
-    "CACHED", "FREE", "USED", "CacheSnapshot", "EngineError", "Event", "Finished", "TokenDelta",
+    "CACHED", "FREE", "USED", "CacheSnapshot", "EngineError", "Event", "Finished", "LoadProgress", "TokenDelta",
     "TurnPreempted", "TurnStarted", "Usage",
 ]

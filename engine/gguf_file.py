@@ -138,13 +138,13 @@ class GGUFModel:
 
         folder = self._cache_folder()
         if folder is not None and (folder / "config.json").is_file():
+            say("reading the tokenizer")
             try:
                 return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
             except Exception:  # a damaged cache: convert again
                 shutil.rmtree(folder, ignore_errors=True)
-        say("reading the config…")
+        say("converting the tokenizer")
         config = self.load_config()
-        say("building the tokenizer…")
         tokenizer = self.load_tokenizer()
         if folder is not None:
             tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
@@ -213,6 +213,8 @@ class GGUFModel:
             hf = names.get(t.name)
             if hf is None:
                 if t.name == "rope_freqs.weight":  # applied by rope_factors(), not a parameter
+                    if progress is not None:
+                        progress(i + 1, len(tensors))
                     continue
                 raise GGUFError(f"{self.path.name}: tensor {t.name!r} has no place in {ARCHITECTURES[self.arch]}")
             if hf in raw and GGML_QUANT_SIZES[t.tensor_type][0] > 1 and len(t.shape) == 2:

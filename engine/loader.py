@@ -11,6 +11,7 @@ package (see gguf_file.py). `transformers` gives the config, tokenizer and chat 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch.nn import init
 from torch.overrides import TorchFunctionMode
 
 from engine import defaults, demo, quant
+from engine.events import LoadProgress
 from engine.gguf_file import GGUFModel
 from engine.model_source import (  # noqa: F401  (re-exported: engine.loader is where they were)
     PACKAGED_MODELS,
@@ -37,7 +39,18 @@ from engine.models import get_model_class
 from engine.models.layers import MergedLinear
 from kernels import cpu_ops
 
-Progress = Callable[[str], None]  # a line saying how far loading is
+Progress = Callable[[LoadProgress], None]  # how far loading is
+
+
+class Stages:
+    """Says each stage of a load to a Progress callback, with the seconds since loading began."""
+
+    def __init__(self, progress: Progress | None = None) -> None:
+        self.progress, self.start = progress, time.monotonic()
+
+    def __call__(self, stage: str, done: int = 0, total: int = 0) -> None:
+        if self.progress is not None:
+            self.progress(LoadProgress(stage, done, total, time.monotonic() - self.start))
 
 
 class WeightLoadError(ValueError):
@@ -70,7 +83,7 @@ def load_model(
     model: str | ModelSource,
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "auto",
-    progress: Progress | None = None,
+    progress: Progress | Stages | None = None,
     quantization: str | None = None,
 ) -> LoadedModel:
     """Load `model` (a name for resolve_model, or what it returned). Raises ModelNotFoundError
@@ -81,12 +94,15 @@ def load_model(
     tensor's precision class (Q4 -> int4, Q8_0 -> int8, float -> dense). None: the source's own
     setting (ModelSource.quantization, "auto" unless set). "auto" dtype, device and quantization are
     resolved by engine/defaults.py, as for every entry point."""
+    say = progress if isinstance(progress, Stages) else Stages(progress)
+    if not isinstance(model, ModelSource):
+        say("reading the file")
     source = model if isinstance(model, ModelSource) else resolve_model(str(model))
     d = defaults.resolve(str(device), dtype, quantization or source.quantization)
     device, dtype, quantization = torch.device(d.device), d.torch_dtype, d.quantization
-    say = progress or (lambda _: None)
-    if device.type == "cpu" and cpu_ops.needs_build():
-        say("building the CPU kernels (once: `make setup` builds them ahead)…")
+    if device.type == "cpu" and cpu_ops.supported_cpu():
+        say("building the CPU kernels (once)" if cpu_ops.needs_build() else "loading the CPU kernels")
+        cpu_ops.available()
     if quantization == "auto" and not quant.kernels_available(device):
         quantization = "none"  # "auto" packs only where there are kernels for it: dequantize elsewhere
     if source.kind == "demo":
@@ -97,6 +113,7 @@ def load_model(
     from transformers import AutoConfig, AutoTokenizer
 
     path = source.path
+    say("reading the config")
     config = AutoConfig.from_pretrained(path)
     if quantization in ("int8", "int4"):  # weight-only quantization at load ("auto": as stored)
         net = build_model(config, dtype, torch.device("meta"))
@@ -105,11 +122,12 @@ def load_model(
         net = net.to_empty(device=device).requires_grad_(False)
     else:
         net = build_model(config, dtype, device)
-    say("reading weights…")
+    say("loading weights")
     load_weights(net, path)
     if quantization in ("int8", "int4"):
         quant.release_freed_memory()
     net.eval()
+    say("reading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path)
     loaded = _loaded(net, config, tokenizer, source.display_name, False, _eos_ids(path, config, tokenizer))
     loaded.generation_defaults = generation_defaults(source)
@@ -118,19 +136,19 @@ def load_model(
 
 
 def _load_gguf(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, say: Progress, quantization: str = "none"
+    source: ModelSource, dtype: torch.dtype, device: torch.device, say: Stages, quantization: str = "none"
 ) -> LoadedModel:
+    if source.gguf is None:
+        say("reading the file")
     gguf = source.gguf or GGUFModel(source.path)
     config, tokenizer = gguf.config_and_tokenizer(say)
     net = build_model(config, dtype, torch.device("meta"))
-    raw = _plan_packing(net, config, gguf, quantization, device, dtype, say)
+    raw = _plan_packing(net, config, gguf, quantization, device, dtype)
     net = net.to_empty(device=device).requires_grad_(False)
-    size = source.path.stat().st_size / 2**20
-
-    def step(done: int, total: int) -> None:
-        if done == total or done * 20 // total != (done - 1) * 20 // total:  # every 5 %
-            say(f"weights {done * 100 // total}% of a {size:.0f} MiB file")
-    load_weights(net, gguf.iter_tensors(net, config, step, raw=raw), where=source.path.name)
+    stage = "repacking weights" if raw else "loading weights"
+    say(stage, 0, len(gguf.reader.tensors))
+    load_weights(net, gguf.iter_tensors(net, config, lambda done, total: say(stage, done, total), raw=raw),
+                 where=source.path.name)
     if (factors := gguf.rope_factors()) is not None:  # only Llama-family files carry them
         try:
             net.model.rotary.divide_frequencies(factors)
@@ -156,8 +174,7 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") 
 
 
 def _plan_packing(
-    net: nn.Module, config: Any, gguf: GGUFModel, quantization: str, device: torch.device, dtype: torch.dtype,
-    say: Progress,
+    net: nn.Module, config: Any, gguf: GGUFModel, quantization: str, device: torch.device, dtype: torch.dtype
 ) -> set[str]:
     """Swap the modules `quantization` packs into packed ones (the model is still on meta) and
     return the checkpoint names to read as raw GGUF blocks."""
@@ -166,7 +183,6 @@ def _plan_packing(
     if gguf.arch == "gpt2" and quantization == "auto":
         return set()
     _check_packing(net, quantization, device)
-    say(f"packed weights: {quant.route(device)} kernels")  # builds ours on first use (a few seconds, once)
     packable = _packable(net)
     modes: dict[str, str] = {}
     raw: set[str] = set()

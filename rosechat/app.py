@@ -9,6 +9,8 @@ request's events, as typed messages, to the tab that owns the request. The tabs 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Footer, Header
 
@@ -30,7 +33,7 @@ from rosechat.screens import ConversationDeleted, ConversationsScreen, SystemPro
 from rosechat.terminal import TerminalWatch
 from rosechat.widgets.chat import ChatInput
 from rosechat.widgets.kv_panel import KVPanel, OwnerStyle
-from rosechat.widgets.loading import ModelLoader
+from rosechat.widgets.loading import LoadBar, ModelLoader
 from rosechat.widgets.reply import ReplyFailed, ReplyFinished, reply_messages
 from rosechat.widgets.tab import NEW_CHAT, ChatTab
 from rosechat.widgets.tabs import ChatTabs
@@ -81,6 +84,9 @@ class RoseChatApp(App[None]):
     class EngineEvents(Message):
         """Something is waiting in the event buffer."""
 
+    class RemoteReachable(Message):
+        """The remote server answers: its backend can start."""
+
     def __init__(
         self,
         config: Config,
@@ -107,12 +113,17 @@ class RoseChatApp(App[None]):
         self.saver = Saver(history, self._model_name, self.notify)
         self._drain_posted = False
         self._terminal = TerminalWatch(self._exit_from_thread)
+        self._stop_connecting = threading.Event()  # wakes the remote server's connect loop at exit
 
     # ------------------------------------------------------------------ layout and start-up
     def compose(self) -> ComposeResult:
         yield Header()
         if not self.config.remote.url:
-            yield ModelLoader(self.config, self.model, self.model_notice, self._engine_factory, id="loading")
+            yield ModelLoader(self.config, self.model, self.model_notice, self._engine_factory, self.events.push,
+                              id="loading")
+        else:
+            with Vertical(id="loading"):
+                yield LoadBar(f"Connecting to {self.config.remote.url}", id="loading-bar")
         yield ChatTabs(id="tabs")
         panel = KVPanel(id="kv")
         panel.display = self.config.ui.show_kv_panel
@@ -123,9 +134,9 @@ class RoseChatApp(App[None]):
         self.theme = self.config.ui.theme
         self.sub_title = f"loading {self._model_name()}…"
         await self.new_tab()
-        if r := self.config.remote.url:  # a server: nothing to load; a failure shows in the tab that meets it
-            self._backend_ready(remote_backend(self.config, self.events.push),
-                                f"remote · {self.config.remote.model or 'server default'} · {r}")
+        self.set_interval(1 / DRAIN_HZ, self._poll_events, name="engine-events")  # loading reports through it too
+        if self.config.remote.url:  # a server: nothing to load, but it may not be up yet
+            self._connect_remote()
         if not self.is_headless:
             self._terminal.start()
 
@@ -156,30 +167,64 @@ class RoseChatApp(App[None]):
     def active_tab(self) -> ChatTab | None:
         return self.tabbed.active_tab
 
+    @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
+    def _connect_remote(self) -> None:
+        """Until the server answers (down, or loading its model), say so each second; messages queue meanwhile.
+        Once it answers, a failure later on (it went away) shows in the tab that meets it."""
+        from engine.events import LoadProgress
+        from rosechat.remote import unreachable
+
+        r, began = self.config.remote, time.monotonic()
+        for attempt in range(1, 1 << 62):
+            if (why := unreachable(r.url, self.config.remote_api_key(), r.connect_timeout)) is None:
+                self.post_message(self.RemoteReachable())
+                return
+            self.events.push(LoadProgress(f"{why}; retrying", attempt, 0, time.monotonic() - began))
+            if self._stop_connecting.wait(1.0):
+                return
+
+    @on(RemoteReachable)
+    async def _remote_reachable(self) -> None:
+        r = self.config.remote
+        self.query_one("#loading").display = False
+        await self._backend_ready(remote_backend(self.config, self.events.push),
+                                  f"remote · {r.model or 'server default'} · {r.url}")
+
     @on(ModelLoader.Failed)
     def _model_failed(self, event: ModelLoader.Failed) -> None:
         self.load_error = event.error
         self.sub_title = "no model"
+        self.kv_panel.load_failed(event.error)
+        for tab in self.tabs:
+            tab.unsend_queued("the model did not load")
         self.notify(event.error, title="Model failed to load", severity="error", timeout=30)
 
     @on(ModelLoader.Loaded)
-    def _model_loaded(self, event: ModelLoader.Loaded) -> None:
+    async def _model_loaded(self, event: ModelLoader.Loaded) -> None:
         self.model, self.model_notice = event.model, event.notice
         self.llm = event.llm
         info = self.llm.info
-        self._backend_ready(local_backend(self.llm, self.events.push),
-                            " · ".join([info.name, info.runs_on, info.dtype]))
         if self.model_notice:
             self.notify(self.model_notice, title="Model not found", severity="warning", timeout=15)
+        await self._backend_ready(local_backend(self.llm, self.events.push),
+                                  " · ".join([info.name, info.runs_on, info.dtype]))
 
-    def _backend_ready(self, backend: Backend, sub_title: str) -> None:
+    async def _backend_ready(self, backend: Backend, sub_title: str) -> None:
         self.engine, self.sub_title = backend, sub_title
         for tab in self.tabs:
             if tab.engine_cid is None:
                 tab.connect(self.engine)
-        self.set_interval(1 / DRAIN_HZ, self._poll_events, name="engine-events")
-        if self.kv_panel.display:
-            self.engine.request_snapshot()
+        self.engine.request_snapshot()  # the panel's first map ends its loading view, shown or not
+        for tab in self.tabs:  # what was typed while loading, in order, a tab's first message first
+            await self._send_queued(tab)
+
+    async def _send_queued(self, tab: ChatTab) -> None:
+        if self.engine is not None and (rid := await tab.send_queued(self._params(1))) is not None:
+            self.requests[rid] = tab
+
+    @on(ChatTab.Idle)
+    async def _tab_idle(self, event: ChatTab.Idle) -> None:
+        await self._send_queued(event.tab)
 
     @property
     def ready(self) -> bool:
@@ -231,6 +276,12 @@ class RoseChatApp(App[None]):
         if batch.server_stats is not None:
             for panel in self.query(KVPanel):
                 panel.show_server(batch.server_stats)
+        if batch.loading and self.engine is None:  # the engine's first snapshot ends the load
+            for bar in self.query("#loading-bar").results(LoadBar):
+                bar.show(batch.loading[-1])
+            for panel in self.query(KVPanel):
+                for progress in batch.loading:
+                    panel.show_loading(progress)
 
     def owner_styles(self) -> dict[str, OwnerStyle]:
         return {t.engine_cid: OwnerStyle(t.chat_title, t.color) for t in self.tabs if t.engine_cid}
@@ -280,6 +331,10 @@ class RoseChatApp(App[None]):
         text = event.value.strip()
         if not text:  # only spaces and newlines: nothing to send, nothing worth keeping
             event.input.value = ""
+            return
+        if self.engine is None and self.load_error is None:  # loading: kept, and sent once it is ready
+            event.input.value = ""
+            await tab.queue(text)
             return
         if not self._can_start(tab):
             return
@@ -397,6 +452,7 @@ class RoseChatApp(App[None]):
 
     async def on_unmount(self) -> None:
         # The tabs have kept their partial replies as they unmounted.
+        self._stop_connecting.set()
         await self.shutdown_engine()
 
     async def shutdown_engine(self) -> None:

@@ -12,7 +12,16 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from engine.events import CacheSnapshot, EngineError, Event, Finished, TokenDelta, TurnPreempted, TurnStarted
+from engine.events import (
+    CacheSnapshot,
+    EngineError,
+    Event,
+    Finished,
+    LoadProgress,
+    TokenDelta,
+    TurnPreempted,
+    TurnStarted,
+)
 from rosechat.server_stats import ServerStats
 
 
@@ -26,6 +35,8 @@ class Batch:
     ends: list[Finished | EngineError] = field(default_factory=list)
     snapshot: CacheSnapshot | None = None
     server_stats: ServerStats | None = None  # a remote server's KV figures (newest)
+    # how far the model's load is: the last report of each stage, in order (the newest last)
+    loading: list[LoadProgress] = field(default_factory=list)
 
     @property
     def engine_errors(self) -> list[EngineError]:
@@ -34,7 +45,7 @@ class Batch:
 
     def __bool__(self) -> bool:
         return bool(self.starts or self.deltas or self.preempted or self.ends or self.snapshot is not None
-                    or self.server_stats is not None)
+                    or self.server_stats is not None or bool(self.loading))
 
 
 class EventBuffer:
@@ -42,7 +53,7 @@ class EventBuffer:
         self._lock = threading.Lock()
         self._events: list[Event] = []
 
-    def push(self, event: Event | ServerStats) -> None:
+    def push(self, event: Event | ServerStats | LoadProgress) -> None:
         """Engine thread: O(1), no allocation beyond the list slot."""
         with self._lock:
             self._events.append(event)
@@ -70,4 +81,9 @@ class EventBuffer:
                 batch.ends.append(event)
             elif isinstance(event, ServerStats):
                 batch.server_stats = event
+            elif isinstance(event, LoadProgress):
+                if batch.loading and batch.loading[-1].stage == event.stage:
+                    batch.loading[-1] = event
+                else:
+                    batch.loading.append(event)
         return batch

@@ -62,6 +62,19 @@ FLAG_KEYS = {
 # (`rosechat --config F serve`) is not reset by the command's own default.
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, saying which options it takes (argparse keeps its actions private)."""
+
+    @property
+    def flags(self) -> dict[str, str]:
+        """Each dest -> its first option string."""
+        return {a.dest: a.option_strings[0] if a.option_strings else a.dest for a in self._actions}
+
+    @property
+    def option_strings(self) -> set[str]:
+        return {s for a in self._actions for s in a.option_strings}
+
+
 def _config_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="a TOML file overriding the user config")
 
@@ -123,13 +136,13 @@ def _app_options(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--api-key", metavar="KEY", help="the remote server's API key (or set $ROSECHAT_API_KEY)")
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def _parsers() -> tuple[Parser, dict[str, Parser]]:
     """The top-level parser (the app's options) and each command's own (info, serve; bench parses its own)."""
     from rosechat import __version__
     from rosechat.server.cli import add_serve_options
 
     quiet = argparse.SUPPRESS
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="rosechat", argument_default=quiet, exit_on_error=False,  # _parse names a misplaced option
         usage="%(prog)s [options]  (the app)\n       %(prog)s {info,serve,bench} [options]",
         description="Terminal chat for local language models on a paged KV-cache engine. Without a command "
@@ -174,24 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     return _parsers()[0]
 
 
-def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """Each dest the parser has -> its first option string (argparse keeps its actions in _actions)."""
-    return {a.dest: a.option_strings[0] if a.option_strings else a.dest for a in parser._actions}
-
-
-def _hint(tokens: list[str], parser: argparse.ArgumentParser, parsers: dict[str, argparse.ArgumentParser]) -> str:
+def _hint(tokens: list[str], parser: Parser, parsers: dict[str, Parser]) -> str:
     """' (--host is an option of `rosechat serve`; ...)' for the first of `tokens` that another command takes."""
     for flag in (t.split("=")[0] for t in tokens if t.startswith("--")):
-        if flag in _option_strings(parser):
+        if flag in parser.option_strings:
             continue
-        owners = [who for who, c in parsers.items() if flag in _option_strings(c)]
+        owners = [who for who, c in parsers.items() if flag in c.option_strings]
         if owners:
             return f" ({flag} is an option of {' and '.join(owners)}; see `{parser.prog} --help`)"
     return ""
-
-
-def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    return {s for a in parser._actions for s in a.option_strings}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -208,9 +212,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}{_hint(extra, parser, parsers)}")
     if args.command in commands:  # an option given before the command must be one the command takes
-        takes = _flags(parser)
+        takes = parser.flags
         for dest in sorted(vars(args).keys() - takes.keys() - {"command", "print_config_path"}):
-            parser.error(f"{_flags(top)[dest]} (given before the command) is an option of the app, not of "
+            parser.error(f"{top.flags[dest]} (given before the command) is an option of the app, not of "
                          f"`{parser.prog}`: its options go after it (see `{parser.prog} --help`)")
     return args
 

@@ -256,6 +256,21 @@ class HistoryStore:
             )
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (time.time(), row[0]))
 
+    def move_to_end(self, message_ids: list[int]) -> list[int]:
+        """Renumber messages after every other, in the order given, and return their new ids: messages
+        queued while a model loaded are saved as typed but belong after the replies sent before them."""
+        new: list[int] = []
+        with self._tx() as db:
+            for message_id in message_ids:
+                (top,) = db.execute("SELECT MAX(id) FROM messages").fetchone()
+                cur = db.execute("UPDATE messages SET id = ? WHERE id = ?", (top + 1, message_id))
+                if cur.rowcount == 0:
+                    raise KeyError(message_id)
+                # AUTOINCREMENT never hands out an id again: the renumbered ones count as handed out
+                db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'messages'", (top + 1,))
+                new.append(top + 1)
+        return new
+
     # -- export -----------------------------------------------------------------------------------
 
     def to_markdown(self, conversation_id: str) -> str:

@@ -309,6 +309,24 @@ def _add_usage(old: Usage | None, new: Any) -> Usage:
     return Usage(old.prompt_tokens, old.prefilled_tokens + prompt - cached, old.completion_tokens + completion)
 
 
+def unreachable(base_url: str, api_key: str | None, timeout: float = 5.0) -> str | None:
+    """Why the server cannot take a turn yet (down, or still loading its model: 503), or None when it
+    answers. Any other answer (a wrong key, 404) counts as up: the tab that meets it says so."""
+    base, _ = split_base_url(base_url)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base}/models", headers=headers, timeout=timeout)
+    except httpx.HTTPError as e:
+        return f"cannot reach {base} ({type(e).__name__})"
+    if response.status_code != 503:
+        return None
+    try:
+        said = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        said = response.text[:200] or "503"
+    return f"{base} is not ready: {said}"
+
+
 def describe(error: BaseException, url: str, mid_reply: bool = False) -> str:
     """One line a user can act on."""
     if mid_reply and isinstance(error, openai.APIConnectionError):

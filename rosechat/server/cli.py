@@ -39,6 +39,7 @@ def serve(config: Config, args: argparse.Namespace) -> int:
     from engine import LLMEngine, generation_defaults
     from rosechat.model_choice import ModelChoiceError, choose_model
     from rosechat.server.app import ServerSettings, create_app
+    from rosechat.server.loading import LoadingServer
     from rosechat.server.run import bind, uvicorn_config
 
     api_key = args.server_api_key or os.environ.get(API_KEY_ENV) or None
@@ -57,8 +58,6 @@ def serve(config: Config, args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"rosechat serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    print(f"rosechat serve: loading {model.display_name}…", file=sys.stderr, flush=True)
-    llm = LLMEngine.from_pretrained(model, lambda line: None, **config.engine_kwargs())
     sampling = config.sampling_kwargs(model_defaults=generation_defaults(model))
     sampling.pop("n", None)
     # the default model missing, the demo runs instead (notice): clients must not be told otherwise
@@ -67,16 +66,32 @@ def serve(config: Config, args: argparse.Namespace) -> int:
                               max_n=args.max_n, max_queued=args.max_queued, sampling_defaults=sampling)
     import uvicorn
 
-    server = uvicorn.Server(uvicorn_config(create_app(llm, settings), log_level="info"))
     host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    info = llm.info
-    print(f"rosechat serve: {settings.model_name} ({info.device}, {info.dtype}, {info.num_blocks} KV blocks of "
-          f"{info.block_size}, context {info.max_model_len}) on http://{shown}:{port}/v1"
-          f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+    address = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    failed: list[str] = []
+
+    def say(line: str) -> None:
+        print(f"rosechat serve: {line}", file=sys.stderr, flush=True)
+
+    def ready(llm: LLMEngine) -> None:
+        info = llm.info
+        say(f"{settings.model_name} ({info.device}, {info.dtype}, {info.num_blocks} KV blocks of {info.block_size}, "
+            f"context {info.max_model_len}) on {address}/v1{' (API key required)' if api_key else ''}")
+
+    def load_failed(error: str) -> None:
+        failed.append(error)
+        server.should_exit = True
+
+    app = LoadingServer(lambda progress: LLMEngine.from_pretrained(model, progress, **config.engine_kwargs()),
+                        lambda llm: create_app(llm, settings), log=say, on_ready=ready, on_failed=load_failed)
+    server = uvicorn.Server(uvicorn_config(app, log_level="info"))  # type: ignore[arg-type]
+    say(f"listening on {address}; loading {model.display_name} (/health answers 503 with the stage until it is "
+        "ready)")
     try:  # Ctrl+C: uvicorn stops accepting, ends open streams, runs the shutdown (the engine thread stops)
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down cleanly
         pass
+    if failed:
+        return 1
     print("rosechat serve: stopped", file=sys.stderr)
     return 0

@@ -46,8 +46,14 @@ class BackgroundServer:
         self.thread.join(timeout)
 
 
-def start_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0) -> BackgroundServer:
-    sock = bind(host, port)
+def start_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0,
+                     sock: socket.socket | None = None) -> BackgroundServer:
+    """``sock``: a socket bound ahead (not listening yet, so connections are refused until now)."""
+    if sock is None:
+        sock = bind(host, port)
+    else:
+        sock.listen(2048)
+        host = sock.getsockname()[0]
     server = uvicorn.Server(uvicorn_config(app))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rosechat-serve", daemon=True)
     thread.start()

@@ -21,8 +21,9 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
 
-from engine.events import CACHED, USED, CacheSnapshot
+from engine.events import CACHED, USED, CacheSnapshot, LoadProgress
 from rosechat.server_stats import ServerStats
+from rosechat.widgets.loading import LoadBar, StageLog
 from rosechat.widgets.server_view import ServerView
 
 # Distinct on dark and light backgrounds; tabs take them in order, unknown owners by a stable hash.
@@ -240,6 +241,8 @@ class KVPanel(Widget):
         padding: 0 1;
     }
     KVPanel > Horizontal { height: 1fr; }
+    KVPanel #kv-loading { height: 1fr; }
+    KVPanel #kv-stages { height: 1fr; color: $text-muted; }
     KVPanel #kv-left { width: 1fr; height: 1fr; }
     KVPanel #kv-legend { height: auto; max-height: 3; }
     KVPanel #kv-stats { width: 36; height: 1fr; padding-left: 1; }
@@ -252,7 +255,10 @@ class KVPanel(Widget):
         self.border_title = "KV cache"
 
     def compose(self) -> ComposeResult:
-        with Horizontal():
+        with Vertical(id="kv-loading"):
+            yield LoadBar("Loading the model", id="kv-load-bar")
+            yield StageLog(id="kv-stages")
+        with Horizontal(id="kv-main"):
             with Vertical(id="kv-left"):
                 yield BlockMap(id="kv-map")
                 yield Static("", id="kv-legend")
@@ -261,15 +267,31 @@ class KVPanel(Widget):
 
     def on_mount(self) -> None:
         self.query_one(ServerView).display = False
+        self.query_one("#kv-loading").display = False
+
+    def _only(self, view: str) -> None:
+        """Show one of the panel's views: the load, the block map or a remote server's figures."""
+        for name in ("#kv-loading", "#kv-main", "#kv-server"):
+            self.query_one(name).display = name == view
+
+    def show_loading(self, progress: LoadProgress) -> None:
+        """A stage of the model's load (until the engine's first snapshot)."""
+        if self.snapshot is None:
+            self._only("#kv-loading")
+            self.query_one(LoadBar).show(progress)
+            self.query_one(StageLog).add(progress)
+
+    def load_failed(self, error: str) -> None:
+        self.query_one(LoadBar).end(f"Could not load the model: {error}")
 
     def show_server(self, stats: ServerStats) -> None:
         """A remote server's figures instead of the block map (it sends no map)."""
-        self.query_one(Horizontal).display = False
-        view = self.query_one(ServerView)
-        view.display = True
-        view.show(stats)
+        self._only("#kv-server")
+        self.query_one(ServerView).show(stats)
 
     def show(self, snapshot: CacheSnapshot, owners: Mapping[str, OwnerStyle] | None = None) -> None:
+        if self.snapshot is None and self.is_mounted:
+            self._only("#kv-main")
         self.snapshot = snapshot
         if owners is not None:
             self.owner_styles = dict(owners)

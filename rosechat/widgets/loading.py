@@ -1,21 +1,96 @@
-"""The loading line: loads the model in a thread worker and shows how far it is."""
+"""Loading you can see: the model loads in a thread worker; its stages show as a progress bar.
+
+The worker hands each ``LoadProgress`` to ``on_progress`` (the app's event buffer, the channel
+the engine's own events take); the app routes the newest to the ``LoadBar`` of this line and of
+the KV panel. ``Loaded`` / ``Failed`` end the load.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from textual import work
 from textual.app import ComposeResult
-from textual.containers import Vertical
+from textual.containers import Horizontal, Vertical
 from textual.markup import escape
 from textual.message import Message
-from textual.widgets import Label, LoadingIndicator
+from textual.widgets import Label, ProgressBar, Static
 
 from rosechat.config import Config
 
 if TYPE_CHECKING:
     from engine import LLMEngine, ModelSource
+    from engine.events import LoadProgress
+
+TICK_S = 0.5  # the elapsed time ticks between stages (converting a tokenizer reports nothing for seconds)
+
+
+class LoadBar(Horizontal):
+    """One line: the stage and the seconds since loading began, and a bar where the stage counts steps."""
+
+    DEFAULT_CSS = """
+    LoadBar { height: 1; width: 1fr; }
+    LoadBar .load-stage { width: 1fr; color: $text-muted; text-wrap: nowrap; text-overflow: ellipsis; }
+    LoadBar ProgressBar { width: auto; }
+    LoadBar Bar { width: 24; }
+    """
+
+    def __init__(self, title: str, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.title = title
+        self.progress: LoadProgress | None = None
+        self._began = time.monotonic()
+        self._ended: str | None = None  # the final line, once loading is over
+
+    def compose(self) -> ComposeResult:
+        yield Label(escape(f"{self.title}…"), classes="load-stage")
+        yield ProgressBar(total=None, show_eta=False)
+
+    def on_mount(self) -> None:
+        self.set_interval(TICK_S, self._tick, name="load-clock")
+
+    @property
+    def text(self) -> str:
+        if self._ended is not None:
+            return self._ended
+        p, elapsed = self.progress, time.monotonic() - self._began
+        if p is None:
+            return f"{self.title}: starting… {elapsed:.0f} s"
+        count = f" {p.done}/{p.total}" if p.total else ""
+        return f"{self.title}: {p.stage}{count} · {elapsed:.0f} s"
+
+    def show(self, progress: LoadProgress) -> None:
+        if self._ended is not None:  # a report drained after the end: the end stays said
+            return
+        self.progress, self._began = progress, time.monotonic() - progress.elapsed_s
+        self.query_one(ProgressBar).update(total=progress.total or None, progress=progress.done)
+        self._tick()
+
+    def end(self, text: str) -> None:
+        """Loading is over (loaded or failed): the line says so and stops ticking."""
+        self._ended = text
+        self.query_one(ProgressBar).display = False
+        self._tick()
+
+    def _tick(self) -> None:
+        self.query_one(".load-stage", Label).update(escape(self.text))
+
+
+class StageLog(Static):
+    """The stages so far, each with how long it took: the KV panel's view of a load."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__("", id=id)
+        self.stages: list[tuple[str, float]] = []  # (stage, seconds since loading began when it started)
+
+    def add(self, progress: LoadProgress) -> None:
+        if not self.stages or self.stages[-1][0] != progress.stage:
+            self.stages.append((progress.stage, progress.elapsed_s))
+            lines = [f"✓ {stage:<44} {end - start:5.1f} s"
+                     for (stage, start), (_, end) in zip(self.stages, self.stages[1:])]
+            self.update(escape("\n".join(lines)))
 
 
 class ModelLoader(Vertical):
@@ -31,17 +106,13 @@ class ModelLoader(Vertical):
             super().__init__()
             self.error = error
 
-    class Progress(Message, bubble=False):
-        def __init__(self, text: str) -> None:
-            super().__init__()
-            self.text = text
-
     def __init__(
         self,
         config: Config,
         model: ModelSource | None,
         notice: str | None,
         factory: Callable[..., LLMEngine] | None,
+        on_progress: Callable[[LoadProgress], None],
         *,
         id: str | None = None,
     ) -> None:
@@ -50,12 +121,11 @@ class ModelLoader(Vertical):
         self.model = model  # None: chosen from the config by the worker
         self.notice = notice  # why the demo model runs instead of the configured one
         self.factory = factory  # tests may pass one; default LLMEngine.from_pretrained
+        self.on_progress = on_progress  # thread-safe, never blocks (the app's EventBuffer.push)
         self.finished = False
 
     def compose(self) -> ComposeResult:
-        yield LoadingIndicator()
-        name = self.model.display_name if self.model else self.config.model.name
-        yield Label(f"Loading {escape(name)}…", id="loading-label")
+        yield LoadBar(self.model.display_name if self.model else self.config.model.name, id="loading-bar")
 
     def on_mount(self) -> None:
         self.load()
@@ -77,9 +147,8 @@ class ModelLoader(Vertical):
         try:
             if self.model is None:  # the command line chose it already; tests may not have
                 self.model, self.notice = choose_model(self.config)
-            model, name = self.model, self.model.display_name
-            self._post(self.Progress(f"Loading {name}…"))
-            llm = factory(model, lambda line: self._post(self.Progress(f"Loading {name}: {line}")))
+            model = self.model
+            llm = factory(model, self.on_progress)
         except ModelChoiceError as e:
             self._post(self.Failed(str(e)))
         except Exception as e:  # a broken checkpoint...: say so; the app stays up to say it
@@ -87,15 +156,10 @@ class ModelLoader(Vertical):
         else:
             self._post(self.Loaded(llm, model, self.notice))
 
-    def on_model_loader_progress(self, event: Progress) -> None:
-        if not self.finished:
-            self.query_one("#loading-label", Label).update(escape(event.text))
-
     def on_model_loader_loaded(self, _: Loaded) -> None:
         self.finished = True
         self.display = False
 
     def on_model_loader_failed(self, event: Failed) -> None:
         self.finished = True
-        self.query_one(LoadingIndicator).display = False
-        self.query_one("#loading-label", Label).update(escape(f"Could not load the model: {event.error}"))
+        self.query_one(LoadBar).end(f"Could not load the model: {event.error}")

@@ -15,6 +15,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.css.query import NoMatches
 from textual.markup import escape
+from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import Static, TabbedContent, TabPane
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 NEW_CHAT = "New chat"
 _CODE_FENCE = re.compile(r"^[ \t]*(?:```|~~~)[^\n]*\n(.*?)\n?[ \t]*(?:```|~~~)[ \t]*$", re.DOTALL | re.MULTILINE)
 GENERATING = "generating… (escape stops)"
+QUEUED = "queued: sent when the model is ready"
+QUEUED_NEXT = "queued: sent after the reply above"
 
 
 def title_from(text: str, limit: int = 40) -> str:
@@ -40,6 +43,13 @@ def title_from(text: str, limit: int = 40) -> str:
 
 class ChatTab(TabPane):
     """One conversation. The app picks tabs and routes events; the tab does the rest."""
+
+    class Idle(Message):
+        """A reply ended and messages are queued: the app sends the next one."""
+
+        def __init__(self, tab: ChatTab) -> None:
+            super().__init__()
+            self.tab = tab
 
     chat_title: reactive[str] = reactive(NEW_CHAT, init=False)
     generating: reactive[bool] = reactive(False, init=False)
@@ -52,6 +62,8 @@ class ChatTab(TabPane):
         self.set_reactive(ChatTab.system_prompt, system_prompt)
         self.saver = saver
         self.messages: list[ChatMessage] = []
+        # Typed before the backend was ready (a model loading): shown and saved, sent one by one in order
+        self.queued: list[ChatMessage] = []
         self.backend: Backend | None = None
         self.engine_cid: str | None = None  # the backend's conversation id, once connected
         self.history_id: str | None = None  # the saved conversation, once it has a message
@@ -144,10 +156,10 @@ class ChatTab(TabPane):
             self.saver.call(self.saver.history.set_system_prompt, self.history_id, prompt)
         self.notify("System prompt updated; it applies from the next reply.")
 
-    async def add_message(self, message: ChatMessage, *, n: int = 1) -> MessageView:
+    async def add_message(self, message: ChatMessage, *, n: int = 1, after: MessageView | None = None) -> MessageView:
         view = MessageView(message.role, message.content, n=n)
         message.view = view
-        await self.log_view.mount(view)
+        await self.log_view.mount(view, after=after)
         return view
 
     def last_assistant(self) -> ChatMessage | None:
@@ -181,13 +193,48 @@ class ChatTab(TabPane):
     # ------------------------------------------------------------------ the reply
     async def send(self, text: str, params: SamplingParams) -> str:
         """Add a user message and start the reply; returns the request id."""
-        message = ChatMessage("user", text)
+        message = await self._user_message(text)
         self.messages.append(message)
+        return await self.start_reply(params)
+
+    async def _user_message(self, text: str) -> ChatMessage:
+        """A message the user sent, shown and saved (it names a new chat)."""
+        message = ChatMessage("user", text)
         await self.add_message(message)
         if self.chat_title == NEW_CHAT:
             self.chat_title = title_from(text)
         message.history_id = self.saver.save(self, message)
-        return await self.start_reply(params)
+        return message
+
+    async def queue(self, text: str) -> None:
+        """A message typed before the backend is ready: shown and saved now, sent when it is (send_queued)."""
+        message = await self._user_message(text)
+        assert message.view is not None
+        message.view.set_footer(QUEUED)
+        self.queued.append(message)
+
+    async def send_queued(self, params: SamplingParams) -> str | None:
+        """Send the first queued message (the backend is ready, no reply runs); returns the request id."""
+        if not self.queued or self._reply is not None or self.backend is None:
+            return None
+        message = self.queued.pop(0)
+        assert message.view is not None
+        message.view.set_footer("")
+        for later in self.queued:
+            assert later.view is not None
+            later.view.set_footer(QUEUED_NEXT)
+        self.messages.append(message)
+        return await self.start_reply(params, after=message.view)
+
+    def unsend_queued(self, why: str) -> None:
+        """The backend will not come (the model failed to load): the queued messages stay, in the
+        conversation and its history, marked not sent; ctrl+r sends them once a model runs."""
+        for message in self.queued:
+            assert message.view is not None
+            message.view.set_footer(f"not sent: {why}")
+            message.view.add_class("-error")
+            self.messages.append(message)
+        self.queued.clear()
 
     async def regenerate(self, params: SamplingParams) -> str | None:
         """Sample the last reply again (``params.n`` alternatives, shown in its place), or retry a
@@ -201,13 +248,15 @@ class ChatTab(TabPane):
         self.messages.pop()  # the prompt is everything before it
         return await self.start_reply(params, replaces=last)
 
-    async def start_reply(self, params: SamplingParams, replaces: ChatMessage | None = None) -> str:
+    async def start_reply(
+        self, params: SamplingParams, replaces: ChatMessage | None = None, after: MessageView | None = None
+    ) -> str:
         assert self.backend is not None and self.engine_cid is not None and self._reply is None
         if replaces is not None and replaces.view is not None:
             view = replaces.view
             await view.reset(params.n)
-        else:
-            view = await self.add_message(ChatMessage("assistant", ""), n=params.n)
+        else:  # after the message it answers: queued ones may follow it
+            view = await self.add_message(ChatMessage("assistant", ""), n=params.n, after=after)
         rid = self.backend.submit_turn(self.engine_cid, self.chat_messages(), params)
         self._reply = ActiveReply(rid, view, replaces)
         self.generating = True
@@ -217,9 +266,16 @@ class ChatTab(TabPane):
         return rid
 
     def _end_reply(self) -> None:
-        """The one place a reply's state is reset."""
+        """The one place a reply's state is reset. Queued messages come next: their saved rows move
+        after the reply's (the history keeps the order they are sent in), and the app sends one."""
         self._reply = None
         self.generating = False
+        if self.queued:
+            saved = [m for m in self.queued if m.history_id is not None]
+            ids = self.saver.call(self.saver.history.move_to_end, [m.history_id for m in saved])
+            for message, new_id in zip(saved, ids or ()):
+                message.history_id = new_id
+            self.post_message(self.Idle(self))
 
     def _current(self, message: ReplyStarted | ReplyText | ReplyWaiting | ReplyFinished | ReplyFailed
                  ) -> ActiveReply | None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, GGUFError, LLMEngine, SamplingParams
+from engine.events import LoadProgress
 from engine.loader import ModelNotFoundError, load_model, resolve_model
 from tests.gguf_helpers import transformers_from_gguf, write_gguf
 from tests.helpers import PagedHarness, reference_logits
@@ -111,14 +112,25 @@ def test_sampling_metadata_becomes_the_models_generation_defaults(gguf_dir: Path
                                                         "repetition_penalty": 1.2})
 
 
-def test_progress_is_reported_while_loading(gguf_dir: Path) -> None:
+def test_each_stage_of_a_load_is_reported_in_order(gguf_dir: Path) -> None:
     path = gguf_dir / "progress.gguf"
     write_gguf(path, "llama")
-    lines: list[str] = []
-    LLMEngine.from_pretrained(str(path), progress=lines.append, num_blocks=16)
-    percents = [int(line.split()[1].rstrip("%")) for line in lines if line.startswith("weights")]
-    assert percents == sorted(percents) and percents[-1] == 100 and len(percents) > 3
-    assert any("tokenizer" in line for line in lines)
+    reports: list[LoadProgress] = []
+    LLMEngine.from_pretrained(str(path), progress=reports.append, num_blocks=16)
+    stages = list(dict.fromkeys(p.stage for p in reports))  # each stage once, in the order they began
+    weights = next(s for s in stages if s.endswith("weights"))
+    assert stages == ["reading the file", "loading the CPU kernels", "converting the tokenizer",
+                      weights, "allocating the KV pool (16 blocks of 16 tokens)"]
+    counted = [(p.done, p.total) for p in reports if p.stage == weights]
+    total = counted[0][1]
+    assert total > 3 and counted == [(done, total) for done in range(total + 1)]  # every tensor, none twice
+    elapsed = [p.elapsed_s for p in reports]
+    assert elapsed == sorted(elapsed) and elapsed[0] >= 0
+    # the second load of the same file reads the tokenizer its first one converted
+    again: list[LoadProgress] = []
+    LLMEngine.from_pretrained(str(path), progress=again.append, num_blocks=16)
+    assert "reading the tokenizer" in {p.stage for p in again}
+    assert not any("converting" in p.stage for p in again)
 
 
 # --- where a GGUF file can be ----------------------------------------------------------------

@@ -521,7 +521,7 @@ async def test_a_model_that_fails_to_load_is_said_not_pretended(tmp_path: Path) 
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.load_error is not None, "the load error")
         assert app.llm is None and "no-such-model" in app.load_error and app.sub_title == "no model"
-        assert "no-such-model" in str(app.query_one("#loading-label").render())
+        assert "no-such-model" in app.query_one("#loading-bar").text
         said: list[tuple[str, str]] = []  # (title, message) of every notification, as the app makes it
         notify = app.notify
         app.notify = lambda message, *, title="", **kw: said.append((title, message)) or notify(
@@ -610,30 +610,6 @@ async def test_the_footer_says_when_the_context_limits_the_reply(tmp_path: Path)
             assert "context full" in _footer(view)
         else:  # the random model may stop by itself first
             assert "context" not in _footer(view)
-
-
-async def test_the_loading_line_shows_progress(tmp_path: Path) -> None:
-    import threading
-
-    from engine import LLMEngine
-
-    shown = threading.Event()
-
-    def factory(source, progress):
-        progress("weights 45% of a 94 MiB file")
-        assert shown.wait(30), "the test never saw the progress line"
-        return LLMEngine.from_pretrained(source, num_blocks=64)
-
-    config = load_config(overrides={"model.name": "demo", "history.path": str(tmp_path / "h.sqlite3")},
-                         user_file=None)
-    app = RoseChatApp(config, HistoryStore(config.history_path()), engine_factory=factory)
-    async with app.run_test(size=SIZE) as pilot:
-        label = app.query_one("#loading-label")
-        await wait_for(pilot, lambda: "weights 45%" in str(label.render()), "the progress line")
-        assert "demo (random weights)" in str(label.render()) and not app.ready
-        shown.set()
-        await ready(pilot)
-        assert not app.query_one("#loading").display
 
 
 async def test_a_snapshot_arriving_while_the_app_closes_is_dropped(tmp_path: Path) -> None:

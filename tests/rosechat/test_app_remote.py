@@ -125,3 +125,33 @@ async def test_a_metrics_only_server_shows_usage_and_one_without_data_says_so(tm
         assert list(view.usage) == [0.25, 0.5] and view.query_one("#srv-spark").display
         panel.show_server(ServerStats(""))
         await wait_for(pilot, lambda: str(view.query_one("#srv-usage").render()) == NO_DATA, "no data, said")
+
+
+async def test_messages_typed_before_the_server_is_up_are_sent_once_it_answers(tmp_path: Path) -> None:
+    """A remote server not up yet: the app says it retries, queues what is typed, and sends it once the
+    server answers. Its socket is bound but not listening until the test starts the server: refused till then."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = remote_app(tmp_path, f"http://127.0.0.1:{port}")
+    s = None
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            tab = app.active_tab
+            bar = app.query_one("#loading-bar")
+            await wait_for(pilot, lambda: "cannot reach" in bar.text and "retrying" in bar.text, "the retry line")
+            await wait_for(pilot, lambda: app.focused is tab.input, "the input's focus")
+            tab.input.value = "hello, server"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(tab.queued) == 1, "the message to be queued")
+            assert not app.ready and tab.input.value == ""
+            s = start_background(create_app(LLMEngine.from_pretrained("demo", device="cpu", num_blocks=64),
+                                            ServerSettings(model_name="demo", api_key=KEY)), sock=sock)
+            await ready(pilot)
+            await wait_for(pilot, lambda: not tab.queued and replied(tab), "the queued message answered", timeout=60)
+            assert [m.role for m in tab.messages] == ["user", "assistant"] and tab.messages[1].content
+            assert not app.query_one("#loading").display
+    finally:
+        if s is not None:
+            s.stop()
+        sock.close()

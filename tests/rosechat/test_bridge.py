@@ -89,3 +89,17 @@ def test_both_backends_are_a_backend(backend: str) -> None:
             ours = list(inspect.signature(method).parameters)
             theirs = list(inspect.signature(getattr(cls, name)).parameters)
             assert ours == theirs, (name, theirs)
+
+
+def test_load_progress_keeps_each_stage_once_and_the_newest_count() -> None:
+    from engine.events import LoadProgress
+
+    buf = EventBuffer()
+    buf.push(LoadProgress("converting the tokenizer", elapsed_s=0.1))
+    for done in range(5):
+        buf.push(LoadProgress("repacking weights", done, 4, 1.0 + done))
+    buf.push(LoadProgress("allocating the KV pool", elapsed_s=6.0))
+    batch = buf.drain()
+    assert [(p.stage, p.done) for p in batch.loading] == [
+        ("converting the tokenizer", 0), ("repacking weights", 4), ("allocating the KV pool", 0)]
+    assert batch and not buf.drain()

@@ -144,3 +144,21 @@ def test_usable_from_several_threads(store: HistoryStore) -> None:
         t.join()
     assert not errors
     assert len(store.load(cid).messages) == 40
+
+
+def test_messages_moved_to_the_end_keep_their_order_and_get_fresh_ids(store: HistoryStore) -> None:
+    """Messages queued while a model loads are saved as typed; each reply sent before them moves them after it."""
+    a = store.create_conversation("queued")
+    u1 = store.add_message(a, "user", "first")
+    u2 = store.add_message(a, "user", "second")
+    u3 = store.add_message(a, "user", "third")
+    store.add_message(a, "assistant", "answer one")
+    new = store.move_to_end([u2, u3])
+    assert len(new) == 2 and min(new) > u3 and new == sorted(new)
+    assert [m.content for m in store.load(a).messages] == ["first", "answer one", "second", "third"]
+    assert store.load(a).messages[0].id == u1
+    # ids are never handed out twice: a new message comes after the renumbered ones, and the old ids stay free
+    later = store.add_message(a, "assistant", "answer two")
+    assert later > max(new) and not {u2, u3} & {m.id for m in store.load(a).messages}
+    with pytest.raises(KeyError):
+        store.move_to_end([u2])
