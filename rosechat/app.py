@@ -186,7 +186,7 @@ class RoseChatApp(App[None]):
     @on(RemoteReachable)
     async def _remote_reachable(self) -> None:
         r = self.config.remote
-        self.query_one("#loading").display = False
+        await self.query("#loading").remove()
         await self._backend_ready(remote_backend(self.config, self.events.push),
                                   f"remote · {r.model or 'server default'} · {r.url}")
 

@@ -17,6 +17,7 @@ from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
@@ -83,6 +84,9 @@ class BlockMap(Widget):
     BlockMap { width: 1fr; height: 1fr; }
     """
 
+    class Resized(Message):
+        """Its size changed: the panel's "1 cell = N blocks" follows."""
+
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.snapshot: CacheSnapshot | None = None
@@ -103,6 +107,7 @@ class BlockMap(Widget):
 
     def on_resize(self) -> None:
         self._strips = None
+        self.post_message(self.Resized())
 
     def color_of(self, owner: str | None) -> str:
         if owner is None:
@@ -255,7 +260,9 @@ class KVPanel(Widget):
         self.border_title = "KV cache"
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="kv-loading"):
+        loading = Vertical(id="kv-loading")
+        loading.display = False  # until a load reports (no space taken meanwhile)
+        with loading:
             yield LoadBar("Loading the model", id="kv-load-bar")
             yield StageLog(id="kv-stages")
         with Horizontal(id="kv-main"):
@@ -267,12 +274,15 @@ class KVPanel(Widget):
 
     def on_mount(self) -> None:
         self.query_one(ServerView).display = False
-        self.query_one("#kv-loading").display = False
 
     def _only(self, view: str) -> None:
-        """Show one of the panel's views: the load, the block map or a remote server's figures."""
-        for name in ("#kv-loading", "#kv-main", "#kv-server"):
-            self.query_one(name).display = name == view
+        """Show one of the panel's views: the load, the block map or a remote server's figures. The
+        load's stops for good once another shows (its clock and bar)."""
+        for widget in self.query("#kv-loading, #kv-main, #kv-server"):
+            widget.display = f"#{widget.id}" == view
+        if view != "#kv-loading":
+            for bar in self.query(LoadBar):
+                bar.stop()
 
     def show_loading(self, progress: LoadProgress) -> None:
         """A stage of the model's load (until the engine's first snapshot)."""
@@ -282,7 +292,8 @@ class KVPanel(Widget):
             self.query_one(StageLog).add(progress)
 
     def load_failed(self, error: str) -> None:
-        self.query_one(LoadBar).end(f"Could not load the model: {error}")
+        for bar in self.query(LoadBar):
+            bar.end(f"Could not load the model: {error}")
 
     def show_server(self, stats: ServerStats) -> None:
         """A remote server's figures instead of the block map (it sends no map)."""
@@ -319,6 +330,10 @@ class KVPanel(Widget):
     def on_resize(self) -> None:
         if self.snapshot is not None:
             self.call_after_refresh(self._draw)
+
+    def on_block_map_resized(self) -> None:
+        if self.snapshot is not None and self.display:
+            self._draw()
 
 
 __all__ = ["BlockMap", "Cell", "KVPanel", "OwnerStyle", "PALETTE", "group_cells", "owner_color", "stats_text"]

@@ -49,7 +49,7 @@ class LoadBar(Horizontal):
         yield ProgressBar(total=None, show_eta=False)
 
     def on_mount(self) -> None:
-        self.set_interval(TICK_S, self._tick, name="load-clock")
+        self._clock = self.set_interval(TICK_S, self._tick, name="load-clock")
 
     @property
     def text(self) -> str:
@@ -68,10 +68,15 @@ class LoadBar(Horizontal):
         self.query_one(ProgressBar).update(total=progress.total or None, progress=progress.done)
         self._tick()
 
+    def stop(self) -> None:
+        """No more reports: the clock stops, and the bar goes (an indeterminate one redraws 15 times a second)."""
+        self._clock.stop()
+        self.query(ProgressBar).remove()
+
     def end(self, text: str) -> None:
-        """Loading is over (loaded or failed): the line says so and stops ticking."""
+        """Loading failed: the line says so, and stops."""
         self._ended = text
-        self.query_one(ProgressBar).display = False
+        self.stop()
         self._tick()
 
     def _tick(self) -> None:
@@ -158,7 +163,7 @@ class ModelLoader(Vertical):
 
     def on_model_loader_loaded(self, _: Loaded) -> None:
         self.finished = True
-        self.display = False
+        self.remove()  # its clock and bar with it
 
     def on_model_loader_failed(self, event: Failed) -> None:
         self.finished = True

@@ -545,7 +545,7 @@ async def test_header_and_loading(tmp_path: Path) -> None:
         kernels = "avx2" if info.kernels.startswith("rosechat avx2") else "torch"  # ours, or torch's where not
         for part in (info.name, f"{info.device} {kernels}", info.dtype, "random weights"):
             assert part in app.sub_title
-        assert not app.query_one("#loading").display
+        assert not app.query("#loading")
 
 
 async def test_long_chats_leave_out_old_turns_with_a_marker_and_lose_nothing(tmp_path: Path) -> None:

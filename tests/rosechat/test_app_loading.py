@@ -78,7 +78,9 @@ async def test_loading_shows_each_stage_with_a_bar_and_a_clock(tmp_path: Path) -
         gate.set()
         await ready(pilot)
         await wait_for(pilot, lambda: panel.query_one("#kv-main").display, "the block map to replace the load")
-        assert not panel.query_one("#kv-loading").display and not app.query_one("#loading").display
+        # the loading views are gone or stopped, their clocks and bars with them
+        await wait_for(pilot, lambda: not app.query("#loading") and not panel.query(ProgressBar), "no loading view")
+        assert not panel.query_one("#kv-loading").display
 
 
 async def test_messages_typed_while_loading_are_sent_in_order_once_ready(tmp_path: Path) -> None:

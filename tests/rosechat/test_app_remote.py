@@ -150,7 +150,7 @@ async def test_messages_typed_before_the_server_is_up_are_sent_once_it_answers(t
             await ready(pilot)
             await wait_for(pilot, lambda: not tab.queued and replied(tab), "the queued message answered", timeout=60)
             assert [m.role for m in tab.messages] == ["user", "assistant"] and tab.messages[1].content
-            assert not app.query_one("#loading").display
+            assert not app.query("#loading")
     finally:
         if s is not None:
             s.stop()
