@@ -20,6 +20,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message
+from textual.screen import ModalScreen
 from textual.widgets import Footer, Header
 
 from rosechat.backend import Backend, local_backend, remote_backend
@@ -225,6 +226,14 @@ class RoseChatApp(App[None]):
     @on(ChatTab.Idle)
     async def _tab_idle(self, event: ChatTab.Idle) -> None:
         await self._send_queued(event.tab)
+
+    # The chat's own actions: under a dialog (conversations, system prompt, rename) their keys would act
+    # on the tabs behind it (ctrl+w closing one unseen), so they wait until it closes
+    TAB_ACTIONS = frozenset({"new_tab", "close_tab", "fork", "next_tab", "previous_tab", "goto_tab", "stop",
+                             "regenerate", "cycle", "copy_reply", "copy_code", "system_prompt", "conversations"})
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        return not (action in self.TAB_ACTIONS and isinstance(self.screen, ModalScreen))
 
     @property
     def ready(self) -> bool:

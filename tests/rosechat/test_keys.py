@@ -221,3 +221,21 @@ def test_alt_digits_switch_tabs_in_tmux(tmux: Tmux, tmp_path: Path) -> None:
     tmux("send-keys", "-t", app, "M-1")
     screen = tmux.wait(app, on_first, "alt+1 to show the first tab again")
     assert "™" not in screen and "¡" not in screen, screen  # ESC 2 typed nothing here
+
+
+async def test_tab_keys_wait_while_a_dialog_is_open(tmp_path: Path) -> None:
+    """ctrl+n / ctrl+w / alt+digit are priority keys: under a dialog they would act on the tabs behind it."""
+    from rosechat.screens import ConversationsScreen
+    from tests.rosechat.test_app import make_app, new_tab, ready, wait_for
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(110, 40)) as pilot:
+        await ready(pilot)
+        first, second = app.active_tab, await new_tab(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen), "the conversations dialog")
+        await pilot.press("ctrl+w", "ctrl+n", "alt+1", "f5", "escape")  # keys go in order: escape comes last
+        await wait_for(pilot, lambda: not isinstance(app.screen, ConversationsScreen), "the dialog to close")
+        assert app.tabs == [first, second] and app.active_tab is second
+        await pilot.press("alt+1")
+        await wait_for(pilot, lambda: app.active_tab is first, "alt+1 once the dialog is closed")
