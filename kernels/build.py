@@ -5,18 +5,27 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
 import sys
+import time
 
 from kernels import cpu_isa, cpu_ops
 
 
-def main() -> int:
-    """Build every ISA variant ahead (setup): `python -m kernels.cpu_ops`."""
-    import time
+def build_one(isa: str) -> None:
+    """Build the `isa` variant (in a process of its own: building loads the library, and two variants
+    register the same operators)."""
+    where = cpu_ops.build_dir(isa)
+    cpu_ops._compile(isa, where, where / "built")
 
+
+def main(argv: list[str]) -> int:
     from torch.utils import cpp_extension
 
     logging.basicConfig(level=logging.ERROR)
+    if argv[:1] == ["--isa"]:
+        build_one(argv[1])
+        return 0
     if shutil.which(cpp_extension.get_cxx_compiler()) is None:
         print(f"no C++ compiler ({cpp_extension.get_cxx_compiler()}): torch's own CPU kernels will run")
         return 0
@@ -27,11 +36,11 @@ def main() -> int:
             print(f"CPU kernels ({isa}): built, in {where}")
             continue
         print(f"building CPU kernels ({isa})… ", end="", flush=True)
-        try:
-            cpu_ops._compile(isa, where, where / "built")
-        except Exception as exc:  # the runtime falls back to torch's kernels and says so
+        done = subprocess.run([sys.executable, "-m", "kernels.build", "--isa", isa], capture_output=True, text=True)
+        if done.returncode != 0:  # the runtime falls back to torch's kernels and says so
             failed += 1
-            print(f"failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}")
+            lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+            print(f"failed: {lines[-1] if lines else f'exit {done.returncode}'}")
             continue
         print(f"{time.perf_counter() - t0:.1f} s, in {where}")
     print(f"this CPU runs: {cpu_isa.choose(forced='').reason}" + (" (torch's kernels where a build failed)"
@@ -40,4 +49,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -17,6 +17,7 @@ from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
@@ -235,6 +236,25 @@ def legend_text(snapshot: CacheSnapshot, owner_styles: Mapping[str, OwnerStyle],
     return text
 
 
+class KVStats(Widget):
+    """The numbers beside the map: the full list where its 11 rows fit, else the compact 7. Chosen
+    as it renders, from its own size, so no redraw can race the layout."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.snapshot: CacheSnapshot | None = None
+        self.blocks_per_cell = 1
+
+    def show(self, snapshot: CacheSnapshot, blocks_per_cell: int) -> None:
+        self.snapshot, self.blocks_per_cell = snapshot, blocks_per_cell
+        self.refresh()
+
+    def render(self) -> Text:
+        if self.snapshot is None:
+            return Text("waiting for the engine…")
+        return stats_text(self.snapshot, self.blocks_per_cell, compact=0 < self.size.height < 11)
+
+
 class KVPanel(Widget):
     """Map on the left, numbers and legend on the right. Feed it with ``show(snapshot, owners)``."""
 
@@ -258,6 +278,7 @@ class KVPanel(Widget):
         self.snapshot: CacheSnapshot | None = None
         self.owner_styles: dict[str, OwnerStyle] = {}
         self.border_title = "KV cache"
+        self._early_loading: list[LoadProgress] = []
 
     def compose(self) -> ComposeResult:
         loading = Vertical(id="kv-loading")
@@ -269,11 +290,14 @@ class KVPanel(Widget):
             with Vertical(id="kv-left"):
                 yield BlockMap(id="kv-map")
                 yield Static("", id="kv-legend")
-            yield Static("waiting for the engine…", id="kv-stats")
+            yield KVStats(id="kv-stats")
         yield ServerView(id="kv-server")
 
     def on_mount(self) -> None:
         self.query_one(ServerView).display = False
+        for progress in self._early_loading:
+            self.show_loading(progress)
+        self._early_loading.clear()
 
     def _only(self, view: str) -> None:
         """Show one of the panel's views: the load, the block map or a remote server's figures. The
@@ -286,10 +310,15 @@ class KVPanel(Widget):
 
     def show_loading(self, progress: LoadProgress) -> None:
         """A stage of the model's load (until the engine's first snapshot)."""
-        if self.snapshot is None:
+        if not self.is_mounted:  # reports can come before the panel is composed: drawn on mount
+            self._early_loading.append(progress)
+        elif self.snapshot is None:
             self._only("#kv-loading")
-            self.query_one(LoadBar).show(progress)
-            self.query_one(StageLog).add(progress)
+            # queries, not query_one: at exit the panel's children go before it does
+            for bar in self.query(LoadBar):
+                bar.show(progress)
+            for log in self.query(StageLog):
+                log.add(progress)
 
     def load_failed(self, error: str) -> None:
         for bar in self.query(LoadBar):
@@ -298,7 +327,8 @@ class KVPanel(Widget):
     def show_server(self, stats: ServerStats) -> None:
         """A remote server's figures instead of the block map (it sends no map)."""
         self._only("#kv-server")
-        self.query_one(ServerView).show(stats)
+        for view in self.query(ServerView):
+            view.show(stats)
 
     def show(self, snapshot: CacheSnapshot, owners: Mapping[str, OwnerStyle] | None = None) -> None:
         if self.snapshot is None and self.is_mounted:
@@ -316,14 +346,15 @@ class KVPanel(Widget):
 
     def _draw(self) -> None:
         assert self.snapshot is not None
-        block_map = self.query_one(BlockMap)
+        try:
+            block_map, stats = self.query_one(BlockMap), self.query_one(KVStats)
+            legend = self.query_one("#kv-legend", Static)
+        except NoMatches:  # being removed: at exit its children go first
+            return
         block_map.show(self.snapshot, self.owner_styles)
         # The fold factor depends on the map's size, known once laid out; before that assume 1.
         per_cell = math.ceil(self.snapshot.num_blocks / block_map.capacity) if block_map.size.area else 1
-        stats = self.query_one("#kv-stats", Static)
-        compact = 0 < stats.size.height < 11  # the full list needs 11 rows
-        stats.update(stats_text(self.snapshot, max(1, per_cell), compact))
-        legend = self.query_one("#kv-legend", Static)
+        stats.show(self.snapshot, max(1, per_cell))
         width = legend.size.width or block_map.size.width or 80
         legend.update(legend_text(self.snapshot, self.owner_styles, width))
 
@@ -336,4 +367,5 @@ class KVPanel(Widget):
             self._draw()
 
 
-__all__ = ["BlockMap", "Cell", "KVPanel", "OwnerStyle", "PALETTE", "group_cells", "owner_color", "stats_text"]
+__all__ = ["BlockMap", "Cell", "KVPanel", "KVStats", "OwnerStyle", "PALETTE", "group_cells", "owner_color",
+           "stats_text"]

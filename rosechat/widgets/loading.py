@@ -16,6 +16,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.markup import escape
 from textual.message import Message
+from textual.timer import Timer
 from textual.widgets import Label, ProgressBar, Static
 
 from rosechat.config import Config
@@ -43,13 +44,19 @@ class LoadBar(Horizontal):
         self.progress: LoadProgress | None = None
         self._began = time.monotonic()
         self._ended: str | None = None  # the final line, once loading is over
+        self._stopped = False
+        self._clock: Timer | None = None
 
     def compose(self) -> ComposeResult:
         yield Label(escape(f"{self.title}…"), classes="load-stage")
         yield ProgressBar(total=None, show_eta=False)
 
     def on_mount(self) -> None:
-        self._clock = self.set_interval(TICK_S, self._tick, name="load-clock")
+        if self._stopped:  # stopped before it was mounted
+            self.query(ProgressBar).remove()
+        else:
+            self._clock = self.set_interval(TICK_S, self._tick, name="load-clock")
+        self._draw()
 
     @property
     def text(self) -> str:
@@ -65,22 +72,34 @@ class LoadBar(Horizontal):
         if self._ended is not None:  # a report drained after the end: the end stays said
             return
         self.progress, self._began = progress, time.monotonic() - progress.elapsed_s
-        self.query_one(ProgressBar).update(total=progress.total or None, progress=progress.done)
-        self._tick()
+        if self.is_mounted:  # else on_mount draws it (a report may come before the bar is composed)
+            self._draw()
 
     def stop(self) -> None:
         """No more reports: the clock stops, and the bar goes (an indeterminate one redraws 15 times a second)."""
-        self._clock.stop()
-        self.query(ProgressBar).remove()
+        self._stopped = True
+        if self._clock is not None:
+            self._clock.stop()
+        if self.is_mounted:
+            self.query(ProgressBar).remove()
 
     def end(self, text: str) -> None:
         """Loading failed: the line says so, and stops."""
         self._ended = text
         self.stop()
+        if self.is_mounted:
+            self._tick()
+
+    def _draw(self) -> None:
+        if (p := self.progress) is not None:
+            for bar in self.query(ProgressBar):
+                bar.update(total=p.total or None, progress=p.done)
         self._tick()
 
     def _tick(self) -> None:
-        self.query_one(".load-stage", Label).update(escape(self.text))
+        # a query, not query_one: a report can come while the line is being removed (its label gone first)
+        for label in self.query(".load-stage").results(Label):
+            label.update(escape(self.text))
 
 
 class StageLog(Static):

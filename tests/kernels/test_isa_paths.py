@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernels import cpu_isa
 
@@ -62,3 +63,66 @@ def test_every_isa_path_gives_the_same_greedy_reply(isa: str, reference: dict) -
         assert got["agree"] >= 0.9 * total, (got["agree"], total, got["replies"], reference["replies"])
     else:  # our kernels, any ISA: the same float32 sums, the same tokens
         assert got["replies"] == reference["replies"]
+
+
+_KERNELS_SCRIPT = """
+import sys, torch
+from kernels import cpu_ops
+assert cpu_ops.build_status().startswith("rosechat " + sys.argv[2]), cpu_ops.build_status()
+gen = torch.Generator().manual_seed(0)
+out = {}
+for rows in (1, 2, 3, 4, 7, 8, 9, 17):  # every tile shape: x rows in 8s, 4s, 2s and 1s
+    for k, n in ((576, 960), (96, 37), (1536, 577)):  # short last groups of rows, an odd count of blocks
+        x = torch.randn(rows, k, generator=gen)
+        nib = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+        d, m = torch.rand(n, k // 32, generator=gen) * 0.02, -torch.rand(n, k // 32, generator=gen) * 0.1
+        q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        out[f"q4 {rows} {k} {n}"] = cpu_ops.q4_linear(x, cpu_ops.pack_q4(nib), cpu_ops.pack_scales(d),
+                                                      cpu_ops.pack_scales(m))
+        out[f"q8 {rows} {k} {n}"] = cpu_ops.q8_linear(x, cpu_ops.pack_q8(q8), cpu_ops.pack_scales(d))
+torch.save(out, sys.argv[1])
+"""
+
+
+def _kernel_outputs(isa: str, path: Path) -> dict:
+    env = {**os.environ, "ROSECHAT_CPU_ISA": isa, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _KERNELS_SCRIPT, str(path), isa], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return torch.load(path)
+
+
+def _other_built_paths() -> list[str]:
+    """Our kernels' variants besides the one the suite is pinned to (tests/conftest.py)."""
+    return [isa for isa in cpu_isa.BUILT if isa != os.environ["ROSECHAT_CPU_ISA"]]
+
+
+def _skip_unless_runnable(isa: str) -> None:
+    flags = cpu_isa.cpu_flags()
+    if isa not in cpu_isa.runnable(flags):
+        pytest.skip(f"this CPU lacks {', '.join(f for f in cpu_isa.NEEDS[isa] if f not in flags)}")
+
+
+@pytest.mark.parametrize("isa", _other_built_paths())
+def test_every_isa_variant_computes_the_same_bits(isa: str, tmp_path: Path) -> None:
+    """Block sums are exact integers whichever instructions add them, and the float steps are the same:
+    each variant's packed linears give the pinned variant's results bit for bit, at every tile shape."""
+    _skip_unless_runnable(isa)
+    pinned = _kernel_outputs(os.environ["ROSECHAT_CPU_ISA"], tmp_path / "pinned.pt")
+    got = _kernel_outputs(isa, tmp_path / f"{isa}.pt")
+    assert got.keys() == pinned.keys()
+    differ = [key for key in pinned if not torch.equal(got[key], pinned[key])]
+    assert not differ, differ
+
+
+@pytest.mark.parametrize("isa", _other_built_paths())
+def test_the_kernel_tests_pass_on_every_isa_variant(isa: str) -> None:
+    """The suite runs in one process on the pinned variant (one variant's operators per process): the
+    kernel tests run again here, forced onto each other variant this CPU can run."""
+    _skip_unless_runnable(isa)
+    env = {**os.environ, "ROSECHAT_CPU_ISA": isa}
+    tests = [str(ROOT / "tests/kernels" / f) for f in ("test_cpu_quant.py", "test_cpu_layers.py")]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *tests],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert f"kernels {isa} (forced by ROSECHAT_CPU_ISA)" in out.stdout  # the header: it ran on that variant
