@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	@touch $@
 
 # Our C++ CPU kernels, every ISA variant, built into the environment now rather than at first launch
-$(KERNELS): $(STAMP) $(wildcard kernels/cpu_*.cpp kernels/cpu_*.h) kernels/cpu_ops.py kernels/cpu_isa.py
-	$(VENV)/bin/python -m kernels.build
+$(KERNELS): $(STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/ops.py kernels/cpu/isa.py
+	$(VENV)/bin/python -m kernels.cpu.build
 	@touch $@
 
 run: $(KERNELS)

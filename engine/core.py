@@ -23,7 +23,7 @@ from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampler import Sampler, SamplingTensors, argmax, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 log = logging.getLogger(__name__)
 

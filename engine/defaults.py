@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_isa, cpu_ops
+from kernels.cpu import isa as cpu_isa
+from kernels.cpu import ops as cpu_ops
 
 cpu_model = cpu_isa.cpu_model  # for headers: which machine a figure or a red run came from
 kernel_status = cpu_ops.build_status  # "rosechat avx2 (...)" or "torch (why ours did not load)"
@@ -32,7 +33,7 @@ class Defaults:
     dtype: str  # one of DTYPES: the activations', and the KV cache's
     quantization: str  # one of QUANTIZATIONS: what load_model does with a checkpoint's weights
     attention_backend: str  # "torch" or "triton"
-    isa: str  # the CPU kernels' variant (kernels/cpu_isa.py); "" on CUDA
+    isa: str  # the CPU kernels' variant (kernels/cpu/isa.py); "" on CUDA
     reason: str  # why this dtype and these kernels, one line
 
     @property

@@ -37,7 +37,7 @@ from engine.model_source import (  # noqa: F401  (re-exported: engine.loader is 
 )
 from engine.models import get_model_class
 from engine.models.layers import MergedLinear
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 Progress = Callable[[LoadProgress], None]  # how far loading is
 

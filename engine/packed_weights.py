@@ -1,9 +1,9 @@
 """Packed [out, in] matrices that stand where a dense weight stood (engine/quant.py makes them).
 
-Ours (`Q4Weight`, `Q8Weight`): GGUF's blocks of 32, multiplied by kernels/cpu_quant.cpp. torch's
+Ours (`Q4Weight`, `Q8Weight`): GGUF's blocks of 32, multiplied by kernels/cpu/quant.cpp. torch's
 (`Int4Weight`, `Int8Weight`, the CPU fallback): int4 groups of 32 and int8 per row, multiplied by
 `aten._weight_int4pack_mm_for_cpu` / `aten._weight_int8pack_mm` with bf16 activations. On CUDA
-(`GPUBlockWeight`): the same blocks of 32 in GGML's byte order, multiplied by kernels/triton_quant.py.
+(`GPUBlockWeight`): the same blocks of 32 in GGML's byte order, multiplied by kernels/triton/quant.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import Tensor
 
 import kernels
 from engine.quant_blocks import GROUP, ggml_nibbles
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 COMPUTE_DTYPE = torch.bfloat16  # the activations torch's weight-only CPU kernels are fast with
 
@@ -132,7 +132,7 @@ def block_rows(q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
 
 
 class BlockWeight(PackedWeight):
-    """Blocks of 32 multiplied by kernels/cpu_quant.cpp: float32 in and out, whatever the model's dtype."""
+    """Blocks of 32 multiplied by kernels/cpu/quant.cpp: float32 in and out, whatever the model's dtype."""
 
     dtype = torch.float32
 

@@ -2,12 +2,12 @@
 
 Two packed precisions, "int4" and "int8", each with three routes:
 
-- **Our CPU kernels** (kernels/cpu_quant.cpp, AVX2, built at first use): weights stay in GGUF's own
+- **Our CPU kernels** (kernels/cpu/quant.cpp, AVX2, built at first use): weights stay in GGUF's own
   blocks of 32, `w = q * d + m` (q4: Q4_0, Q4_1 and Q4_K's sub-blocks exactly) or `w = q * d` (q8:
   Q8_0 exactly; Q5_x, Q6_K and float weights requantized by absmax per block of 32). Activations
   are quantized per block of 32 to int16 and every block dot product runs on integers, as
   llama.cpp does (with int8); the fp32 activations and results stay fp32 around it.
-- **Our Triton kernel on CUDA** (kernels/triton_quant.py): the same blocks in GGML's byte order,
+- **Our Triton kernel on CUDA** (kernels/triton/quant.py): the same blocks in GGML's byte order,
   dequantized tile by tile in registers and multiplied in the activations' dtype.
 - **torch's weight-only kernels** where ours cannot be built (no compiler, no AVX2: an ARM Mac):
   int4 groups of 32 (`aten._weight_int4pack_mm_for_cpu`; the Q4 types map exactly, only the scales
@@ -44,7 +44,7 @@ from engine.quant_blocks import (  # noqa: F401  (re-exported: the packing API l
     quantize_int8,
     quantize_q8,
 )
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 MODES = QUANTIZATIONS  # what load_model accepts (engine/defaults.py resolves "auto")
 CPU = torch.device("cpu")
@@ -69,8 +69,8 @@ def kernels_available(device: torch.device = CPU) -> bool:
 
 
 def route(device: torch.device = CPU) -> str:
-    """Which kernels packed weights use on `device`: "triton" (kernels/triton_quant.py) on CUDA; on
-    the CPU "rosechat" (kernels/cpu_quant.cpp) where it builds, else "torch".
+    """Which kernels packed weights use on `device`: "triton" (kernels/triton/quant.py) on CUDA; on
+    the CPU "rosechat" (kernels/cpu/quant.cpp) where it builds, else "torch".
     ROSECHAT_QUANT_KERNELS=torch picks torch's on the CPU (to compare), =triton the Triton kernel
     (tests run it on the CPU under TRITON_INTERPRET)."""
     forced = os.environ.get("ROSECHAT_QUANT_KERNELS")

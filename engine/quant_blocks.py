@@ -1,6 +1,6 @@
 """GGUF blocks as integers, for engine/quant.py to pack.
 
-Two targets. Our CPU kernels (kernels/cpu_quant.cpp) take blocks of 32 as GGUF has them: q4 nibbles
+Two targets. Our CPU kernels (kernels/cpu/quant.cpp) take blocks of 32 as GGUF has them: q4 nibbles
 with a scale and a minimum per block (Q4_0, Q4_1 and Q4_K's sub-blocks exactly), q8 with a scale
 per block (Q8_0 exactly; Q5_x / Q6_K and float weights requantized per block of 32). torch's own
 weight-only kernels (the fallback) take int4 groups of 32 (the Q4 types exactly) and int8 with one
@@ -132,7 +132,7 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-# ------------------------------------------------------------ blocks of 32 for kernels/cpu_quant.cpp
+# ------------------------------------------------------------ blocks of 32 for kernels/cpu/quant.cpp
 def nibbles(q: Tensor) -> Tensor:
     """uint8 [out, in] in 0..15 -> [out, in/2] in GGML's order (per 32: byte j = q[j] | q[j + 16] << 4)."""
     out_f, in_f = q.shape

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import torch_cache, torch_decode, torch_prefill
-from kernels.torch_decode import DecodePlan, SharedPrefix, plan_decode
+from kernels.pytorch import cache as torch_cache
+from kernels.pytorch import decode as torch_decode
+from kernels.pytorch import prefill as torch_prefill
+from kernels.pytorch.decode import DecodePlan, SharedPrefix, plan_decode
 
 __all__ = [
     "DecodePlan",
@@ -78,7 +80,7 @@ def paged_decode_attention(
     plan: the PyTorch path's per-step gather plan (plan_decode), shared by every layer.
     """
     if _use_triton(q, backend):
-        from kernels.triton_decode import paged_decode_attention as impl
+        from kernels.triton.decode import paged_decode_attention as impl
 
         return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
     return torch_decode.paged_decode_attention(
@@ -103,7 +105,7 @@ def paged_prefill_attention(
     q_len_b of context_lens[b] positions, and their K/V are already in the cache. Returns [T, Hq, D].
     """
     if _use_triton(q, backend):
-        from kernels.triton_prefill import paged_prefill_attention as impl
+        from kernels.triton.prefill import paged_prefill_attention as impl
     else:
         impl = torch_prefill.paged_prefill_attention
     return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
@@ -120,7 +122,7 @@ def write_kv(
 ) -> None:
     """Store k, v: [T, Hkv, D] into one layer's cache at slot_mapping: [T] int64 (-1 = skip)."""
     if _use_triton(k, backend):
-        from kernels.triton_cache import write_kv as impl
+        from kernels.triton.cache import write_kv as impl
     else:
         impl = torch_cache.write_kv
     impl(k, v, k_cache, v_cache, slot_mapping)
@@ -137,7 +139,7 @@ def copy_blocks(
     """Copy whole blocks src[i] -> dst[i] (copy-on-write), in every layer if the caches carry a
     leading layer dim [L, num_blocks, ...]. A dst block must not also be a src."""
     if _use_triton(k_cache, backend):
-        from kernels.triton_cache import copy_blocks as impl
+        from kernels.triton.cache import copy_blocks as impl
     else:
         impl = torch_cache.copy_blocks
     impl(k_cache, v_cache, src, dst)
@@ -145,7 +147,7 @@ def copy_blocks(
 
 def block_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W.T with W packed in blocks of 32 (q4: uint8 nibbles [N, K/2] in GGML order, w = q * d
-    + m; q8: int8 [N, K], w = q * d): the Triton kernel (kernels/triton_quant.py), for CUDA."""
-    from kernels.triton_quant import block_linear as impl
+    + m; q8: int8 [N, K], w = q * d): the Triton kernel (kernels/triton/quant.py), for CUDA."""
+    from kernels.triton.quant import block_linear as impl
 
     return impl(x, qs, d, m)

@@ -274,7 +274,7 @@ def _origin_label(config: rosechat_config.Config, origin: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     # libgomp reads this when torch loads it: its idle threads then spin ~10k pauses (not ~300k, some
     # milliseconds) after each of ATen's parallel ops, so they do not take the cores that our CPU
-    # kernels' pool (kernels/cpu_pool.h) is using in the same decode step
+    # kernels' pool (kernels/cpu/pool.h) is using in the same decode step
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:

@@ -19,7 +19,7 @@ if not _cuda:
 # bit-for-bit tests assert was computed on it. The AVX2 variant runs on every AVX2 and AVX-512 CPU;
 # ROSECHAT_CPU_ISA set by hand (e.g. "generic": torch's ops only) still wins.
 try:
-    from kernels import cpu_isa
+    from kernels.cpu import isa as cpu_isa
 
     os.environ.setdefault("ROSECHAT_CPU_ISA", "avx2" if "avx2" in cpu_isa.runnable(cpu_isa.cpu_flags()) else "generic")
 except ImportError:  # pragma: no cover
@@ -37,7 +37,7 @@ def pytest_sessionstart(session) -> None:
 
 def _machine_lines() -> list[str]:
     from engine import defaults
-    from kernels import cpu_isa
+    from kernels.cpu import isa as cpu_isa
 
     flags = cpu_isa.cpu_flags()
     avx512 = sorted(f for f in flags if f.startswith("avx512") or f.startswith("amx"))

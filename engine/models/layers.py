@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 ACTIVATIONS = {
     "silu": F.silu,

@@ -25,7 +25,7 @@ from engine.models.layers import (
     silu_and_mul,
 )
 from engine.packed_weights import BlockWeight
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 
 class LlamaAttentionBlock(nn.Module):
@@ -150,7 +150,7 @@ class LlamaModel(nn.Module):
 
     def _decode(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata,
                 gather: DecodeGather, weights: torch.ScriptObject) -> Tensor:
-        """A decode-only CPU step in one call (cpu_decode.cpp): the same kernels as the module path,
+        """A decode-only CPU step in one call (decode.cpp): the same kernels as the module path,
         without its Python."""
         backend = meta.backend
         return cpu_ops.llama_decode(weights, x, *rope, backend.k_cache, backend.v_cache, meta.slot_mapping, *gather)

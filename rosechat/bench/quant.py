@@ -83,8 +83,8 @@ def _routes(in_f: int, out_f: int) -> dict[str, tuple[Callable[[], object], Call
 
 
 def _our_routes(in_f: int, out_f: int, x: Callable[[int, torch.dtype], torch.Tensor]) -> dict:
-    """kernels/cpu_quant.cpp (auto's route): q4 and q8 blocks of 32, fp32 in and out."""
-    from kernels import cpu_ops
+    """kernels/cpu/quant.cpp (auto's route): q4 and q8 blocks of 32, fp32 in and out."""
+    from kernels.cpu import ops as cpu_ops
 
     if not cpu_ops.available():
         return {}

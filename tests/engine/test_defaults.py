@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, defaults
-from kernels import cpu_isa
+from kernels.cpu import isa as cpu_isa
 
 # Linux's flags of the two kinds of machine this project has run on (abridged to what matters)
 ZEN3_AVX2 = frozenset("sse4_2 avx avx2 fma f16c bmi2".split())

@@ -30,7 +30,7 @@ from engine.quant import (
     quantize_int4,
     quantize_int8,
 )
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 from tests.gguf_helpers import K_QUANTS, _k_quant_blocks, write_gguf
 from tests.helpers import PagedHarness
 
@@ -113,7 +113,7 @@ def test_generic_quantizers_and_row_lookups(weight: np.ndarray) -> None:
     assert pack(_blocks(weight, "Q4_1"), "int8").mode == "int8"  # a Q4 file forced to int8
 
 
-# --- blocks of 32 for our kernels (kernels/cpu_quant.cpp) ------------------------------------------
+# --- blocks of 32 for our kernels (kernels/cpu/quant.cpp) ------------------------------------------
 
 # our kernels need AVX2 (an ARM Mac uses torch's); on x86 a failed build fails these tests
 needs_cpu_quant = pytest.mark.skipif(not cpu_ops.supported_cpu(), reason="the kernels need an x86 CPU with AVX2")
@@ -176,7 +176,7 @@ def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(params=["rosechat", "torch"])
 def route(request, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Our kernels (kernels/cpu_quant.cpp) and torch's, the fallback where ours cannot be built."""
+    """Our kernels (kernels/cpu/quant.cpp) and torch's, the fallback where ours cannot be built."""
     if request.param == "rosechat" and not cpu_ops.supported_cpu():
         pytest.skip("our kernels need an x86 CPU with AVX2: torch's serve there")
     monkeypatch.setenv("ROSECHAT_QUANT_KERNELS", request.param)

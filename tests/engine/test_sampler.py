@@ -25,7 +25,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture(autouse=True, params=["kernel", "torch"])
 def sampler_path(request, monkeypatch) -> str:
     """Every test runs on both routes: the C++ sample_rows (where this CPU has our kernels) and torch's ops."""
-    from kernels import cpu_ops
+    from kernels.cpu import ops as cpu_ops
 
     if request.param == "kernel":
         if not cpu_ops.supported_cpu():
@@ -258,7 +258,7 @@ def test_build_flags_ignore_greedy_rows_and_only_mark_needed_stages():
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "two-stage"])
 def test_argmax_matches_torch_including_ties_and_nan(kernel: bool, monkeypatch) -> None:
     from engine import sampler
-    from kernels import cpu_ops
+    from kernels.cpu import ops as cpu_ops
 
     if kernel:  # as in tests/kernels: only a CPU without AVX2 goes without; on x86 a failed build fails
         if not cpu_ops.supported_cpu():
@@ -341,7 +341,7 @@ def test_kernel_and_torch_routes_pick_the_same_token_for_the_same_draw(monkeypat
     """At a real vocabulary's size, the C++ route and torch's give the same token for the same uniform
     (their sums round apart only where a draw falls within ~1e-6 of a boundary)."""
     from engine import sampler as sampler_module
-    from kernels import cpu_ops
+    from kernels.cpu import ops as cpu_ops
 
     monkeypatch.undo()  # this test picks the routes itself
     if not cpu_ops.supported_cpu():

@@ -173,7 +173,8 @@ def test_torch_chunking_matches_single_chunk(
 ) -> None:
     """Small budgets split the torch path into several sequence chunks (one sequence each, or a
     few padded together), query-row steps and key slices (online softmax): same result."""
-    from kernels import torch_budget, torch_prefill
+    from kernels.pytorch import budget as torch_budget
+    from kernels.pytorch import prefill as torch_prefill
 
     ctx, new = prefill_lens(16)
     case = make_case(ctx + [300], new + [200], 6, 2, 64, 16, torch.float32, seed=7)
@@ -195,7 +196,7 @@ def test_torch_chunking_matches_single_chunk(
 
 
 def test_torch_decode_chunking_matches(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import torch_budget
+    from kernels.pytorch import budget as torch_budget
 
     case = make_case(decode_lens(8) + [200], [1] * 6, 4, 2, 64, 8, torch.float32, seed=8)
     whole = run_decode(case, "torch")
@@ -241,7 +242,7 @@ def test_decode_shared_prefixes(monkeypatch: pytest.MonkeyPatch, hq: int, hkv: i
     one sequence shares nothing. Equal to dense attention through the tables; fp16 ignores the
     groups (it takes the sliced path), fp32 attends each prefix once, read in place when its blocks
     are consecutive in the pool."""
-    from kernels import torch_decode
+    from kernels.pytorch import decode as torch_decode
 
     bs = 8
     ctx = [3 * bs + 1, 5 * bs + 2, 4 * bs - 1, 2 * bs + 5, bs + 3, 2 * bs]
@@ -294,7 +295,7 @@ def test_prefill_triton(hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype) 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_decode_long_multi_split(backend: str, dtype: torch.dtype) -> None:
     """Long contexts: the Triton path picks several splits and merges them."""
-    from kernels.triton_decode import choose_num_splits
+    from kernels.triton.decode import choose_num_splits
 
     case = make_case([1500, 37, 777], [1] * 3, 3, 1, 80, 16, dtype, seed=11)
     max_ctx = case.block_tables.shape[1] * 16
@@ -305,7 +306,7 @@ def test_decode_long_multi_split(backend: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 def test_decode_triton_forced_splits(num_splits: int) -> None:
     """Explicit split counts, including more splits than a short sequence has tiles."""
-    from kernels.triton_decode import paged_decode_attention as triton_decode
+    from kernels.triton.decode import paged_decode_attention as triton_decode
 
     case = make_case([600, 1, 65, 129], [1] * 4, 4, 2, 64, 16, torch.float32, seed=num_splits)
     out = triton_decode(

@@ -15,7 +15,7 @@ def test_kernels_compile_without_spills(arch: int) -> None:
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton without its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    cmd = [sys.executable, "-m", "kernels.compile_check", "--quick", "--arch", str(arch)]
+    cmd = [sys.executable, "-m", "kernels.triton.compile_check", "--quick", "--arch", str(arch)]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""kernels/cpu_layers.cpp (the fused float32 layers of a CPU step) against float64 references, and
+"""kernels/cpu/layers.cpp (the fused float32 layers of a CPU step) against float64 references, and
 the model with them against the model without them (ATen ops, ROSECHAT_CPU_LAYERS=torch)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.supported_cpu(), reason="the kernels need an x86 CPU with AVX2")
 gen = torch.Generator().manual_seed(0)
@@ -135,7 +135,7 @@ def test_the_model_gives_the_same_logits_with_and_without_the_fused_layers(tmp_p
 
 
 def test_a_decode_step_in_one_call_equals_the_module_path_bit_for_bit(tmp_path, monkeypatch) -> None:
-    """cpu_decode.cpp runs the module path's kernels in its order: the logits of every step are equal,
+    """decode.cpp runs the module path's kernels in its order: the logits of every step are equal,
     with or without shared prefixes, and it serves every decode-only step."""
     from engine import EngineConfig, LLMEngine, SamplingParams, load_model, model_runner
     from engine.attention import AttentionBackend

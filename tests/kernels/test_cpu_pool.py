@@ -1,4 +1,4 @@
-"""kernels/cpu_pool.h, the CPU kernels' thread pool: chunks claimed by whichever thread comes first.
+"""kernels/cpu/pool.h, the CPU kernels' thread pool: chunks claimed by whichever thread comes first.
 What it must hold: results never depend on the thread count or on which thread ran which chunk
 (more threads than cores included, where threads are descheduled mid-loop), loops from several
 Python threads at once (one gets the pool, the others run alone) give the same results, and the
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.supported_cpu(), reason="the kernels need an x86 CPU with AVX2")
 

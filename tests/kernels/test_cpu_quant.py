@@ -1,4 +1,4 @@
-"""kernels/cpu_quant.cpp against a float64 reference: the q4 / q8 block formats, activations
+"""kernels/cpu/quant.cpp against a float64 reference: the q4 / q8 block formats, activations
 quantized per block of 32 to int16, every shape path (row tiles of x, output-row tiles, leftovers)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 # Only a CPU without AVX2 (an ARM Mac) goes without them; on x86 a failed build fails the tests.
 pytestmark = pytest.mark.skipif(not cpu_ops.supported_cpu(), reason="the kernels need an x86 CPU with AVX2")

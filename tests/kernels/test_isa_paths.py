@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_isa
+from kernels.cpu import isa as cpu_isa
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -67,7 +67,7 @@ def test_every_isa_path_gives_the_same_greedy_reply(isa: str, reference: dict) -
 
 _KERNELS_SCRIPT = """
 import sys, torch
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 assert cpu_ops.build_status().startswith("rosechat " + sys.argv[2]), cpu_ops.build_status()
 gen = torch.Generator().manual_seed(0)
 out = {}

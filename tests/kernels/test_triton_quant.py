@@ -1,4 +1,4 @@
-"""kernels/triton_quant.py (packed-weight matmul for CUDA) against a float64 reference, in every launch
+"""kernels/triton/quant.py (packed-weight matmul for CUDA) against a float64 reference, in every launch
 configuration it picks on CUDA (run here by Triton's interpreter) and the interpreter's own."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton_quant import block_linear, block_linear_meta
+from kernels.triton.quant import block_linear, block_linear_meta
 
 gen = torch.Generator().manual_seed(0)
 

@@ -4,7 +4,7 @@ Sequences are grouped into chunks of similar context length; a chunk walks its q
 steps, and each step walks the keys up to its last query's position in block-aligned slices:
 gather the slice's K/V through the block tables (one index_select on the pool), batched scores
 with GQA by reshaping q into [Hkv, G] (K/V are never repeated), causal/length mask, and an fp32
-online softmax across slices. The budgets (kernels.torch_budget) bound every intermediate, so a
+online softmax across slices. The budgets (kernels.pytorch.budget) bound every intermediate, so a
 long context never materialises [T, L] scores or one huge gathered copy. Decode falls back to
 this path (sliced_attention, one query row per sequence) for fp16/bf16 and very long contexts.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import torch_budget
+from kernels.pytorch import budget as torch_budget
 
 
 def paged_prefill_attention(

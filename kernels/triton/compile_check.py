@@ -1,4 +1,4 @@
-"""Compile the Triton kernels for a GPU without one: ``python -m kernels.compile_check [--arch 90]``.
+"""Compile the Triton kernels for a GPU without one: ``python -m kernels.triton.compile_check [--arch 90]``.
 
 CPU-only CI runs the kernels in Triton's interpreter, which checks their arithmetic but neither that
 they compile nor how they fare in registers. This lowers each launch configuration the wrappers
@@ -60,7 +60,10 @@ def compile_kernel(kernel, ptr_types: dict[str, str], meta: dict, arch: int) -> 
 
 def variants(quick: bool):
     """(label, kernel, pointer types, meta) for every launch configuration worth checking."""
-    from kernels import triton_cache, triton_decode, triton_prefill, triton_quant
+    from kernels.triton import cache as triton_cache
+    from kernels.triton import decode as triton_decode
+    from kernels.triton import prefill as triton_prefill
+    from kernels.triton import quant as triton_quant
 
     idx = {"bt_ptr": "*i32", "ctx_ptr": "*i32", "cu_ptr": "*i32", "part_ptr": "*fp32", "lse_ptr": "*fp32"}
     if quick:
@@ -103,7 +106,7 @@ def variants(quick: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kernels.triton.compile_check", description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 (A100), 90 (H100/H200)")
     p.add_argument("--quick", action="store_true", help="a few representative configurations only")
     args = p.parse_args(argv)

@@ -4,7 +4,7 @@ One program per (query tile, query head). Tiles of all sequences are numbered wi
 sync: sequence b owns tile ids [cu[b] // BLOCK_M + b, cu[b+1] // BLOCK_M + b + 1), found in the
 kernel by binary search over cu_seqlens_q; surplus ids exit at once. K/V are read block by block
 through the block table, from position 0 (the cached prefix) up to the tile's last query, by the
-tile loop shared with decode (kernels.triton_tiles).
+tile loop shared with decode (kernels.triton.tiles).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_tiles import attend_kv_tiles
+from kernels.triton.tiles import attend_kv_tiles
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _prefill_kernel(
 
 def prefill_meta(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
     """Constexprs and launch options. Tiles shrink as head_dim grows so that the kernel compiles
-    without register spills on sm_80 / sm_90 (see kernels.compile_check); fp32 (no tensor cores,
+    without register spills on sm_80 / sm_90 (see kernels.triton.compile_check); fp32 (no tensor cores,
     IEEE dots) gets smaller tiles still."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype.itemsize == 2:

@@ -5,12 +5,12 @@
 // left is some twenty ATen calls per layer, each a few microseconds of dispatch and temporaries
 // (RMSNorm alone is six of them on CPU). Each op here is one call doing one pass over its rows.
 // Every row (token, or sequence and KV head) is computed on its own, so results do not depend on
-// the batch. Built with cpu_quant.cpp into one extension (kernels/cpu_ops.py).
+// the batch. Built with quant.cpp into one extension (kernels/cpu/ops.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-"""Build every ISA variant of our CPU kernels ahead, into the environment: `python -m kernels.build`
+"""Build every ISA variant of our CPU kernels ahead, into the environment: `python -m kernels.cpu.build`
 (`make setup` runs it, so no first launch waits on a compiler)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 
-from kernels import cpu_isa, cpu_ops
+from kernels.cpu import isa as cpu_isa
+from kernels.cpu import ops as cpu_ops
 
 
 def build_one(isa: str) -> None:
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
             print(f"CPU kernels ({isa}): built, in {where}")
             continue
         print(f"building CPU kernels ({isa})… ", end="", flush=True)
-        done = subprocess.run([sys.executable, "-m", "kernels.build", "--isa", isa], capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "kernels.cpu.build", "--isa", isa], capture_output=True, text=True)
         if done.returncode != 0:  # the runtime falls back to torch's kernels and says so
             failed += 1
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()]

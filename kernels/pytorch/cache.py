@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 
 def write_kv(

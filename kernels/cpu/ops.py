@@ -1,11 +1,11 @@
-"""Our CPU kernels, compiled at first use: quantized linears (cpu_quant.cpp), the fused small
-layers of a decode step (cpu_layers.cpp) and a whole Llama layer of a decode step (cpu_decode.cpp).
+"""Our CPU kernels, compiled at first use: quantized linears (quant.cpp), the fused small
+layers of a decode step (layers.cpp) and a whole Llama layer of a decode step (decode.cpp).
 
 `q4_linear(x, qs, d, m)` and `q8_linear(x, qs, d)` (once `available()` has built them) multiply
-float32 activations by weights kept in blocks of 32 (the layouts are described in cpu_quant.cpp);
+float32 activations by weights kept in blocks of 32 (the layouts are described in quant.cpp);
 the rest are float32 RMSNorm, RoPE, SiLU * up, the K/V write and one-query paged attention.
-Each ISA variant (kernels/cpu_isa.py) is built by `torch.utils.cpp_extension` when the project is set
-up (`python -m kernels.cpu_ops`, run by `make setup`), into the environment; a variant not built then
+Each ISA variant (kernels/cpu/isa.py) is built by `torch.utils.cpp_extension` when the project is set
+up (`python -m kernels.cpu.build`, run by `make setup`), into the environment; a variant not built then
 is built at first use, once. `available()` says whether the chosen variant loaded, and
 `unavailable_reason()` why not, so a caller can fall back to torch's own kernels.
 """
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels import cpu_isa
+from kernels.cpu import isa as cpu_isa
 
 BLOCK = 32
-_SOURCES = [Path(__file__).with_name(f) for f in ("cpu_quant.cpp", "cpu_layers.cpp", "cpu_decode.cpp")]
+_SOURCES = [Path(__file__).with_name(f) for f in ("quant.cpp", "layers.cpp", "decode.cpp")]
 log = logging.getLogger(__name__)
 
 
@@ -54,7 +54,7 @@ def build_dir(isa: str) -> Path:
     Python's versions, so no checkout, torch or CPU ever loads another's build. In the environment
     (built by `make setup`) where it is writable, else in the user cache."""
     key = hashlib.sha256()
-    for f in _SOURCES + [_SOURCES[0].with_name("cpu_pool.h")]:
+    for f in _SOURCES + [_SOURCES[0].with_name("pool.h")]:
         key.update(f.read_bytes())
     key.update(" ".join([*_cflags(isa), isa, torch.__version__, sys.version]).encode())
     root = Path(sys.prefix) / "share" / "rosechat-kernels"
@@ -66,7 +66,7 @@ def build_dir(isa: str) -> Path:
 
 
 def _cflags(isa: str) -> list[str]:
-    # C++20 for std::atomic::wait (cpu_pool.h); no contraction: FMAs are written out where wanted, so
+    # C++20 for std::atomic::wait (pool.h); no contraction: FMAs are written out where wanted, so
     # RoPE's products round as torch's do
     return ["-O3", "-std=c++20", *cpu_isa.CFLAGS[isa], "-ffp-contract=off"]
 
@@ -281,7 +281,7 @@ def llama_decode_weights(weights: list[Tensor], eps: float, scale: float, num_he
 def llama_decode(model: torch.ScriptObject, x: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
                  slot_mapping: Tensor, att_slots: Tensor, att_counts: Tensor, prefix_seqs: list[Tensor],
                  prefix_blocks: list[Tensor], prefix_first: list[int]) -> Tensor:
-    """Every Llama layer of a decode-only step, then the final norm, in one call (cpu_decode.cpp): x [T, H]
+    """Every Llama layer of a decode-only step, then the final norm, in one call (decode.cpp): x [T, H]
     embedded tokens -> normed hidden states; k_pool / v_pool the whole KV pool [layers, ...]. Attention:
     each sequence's own keys (att_slots [T, L], att_counts [T]), then each shared prefix (members,
     empty = all; its blocks; its first block if consecutive, else -1) for all its members."""

@@ -1,10 +1,10 @@
 // A Llama model's CPU decode step in a single call: each layer runs the same kernels the Python layer
-// calls (cpu_quant.cpp's packed linears, cpu_layers.cpp's fused small layers), in the same order on
+// calls (quant.cpp's packed linears, layers.cpp's fused small layers), in the same order on
 // the same tensors, so the result is the Python path's bit for bit. What it saves is Python: at one
 // sequence the layer's ~25 module calls and op dispatches from Python cost as much as its math. The
 // weights are handed over once (LlamaDecodeWeights). The CUDA path has CUDA graphs for that; this is
 // the CPU's counterpart. Shared prefixes (a system prompt, a forked chat) take the cascade attention
-// of kernels/torch_decode.py, op for op. The ops are called through the dispatcher (a fraction of a
+// of kernels/pytorch/decode.py, op for op. The ops are called through the dispatcher (a fraction of a
 // microsecond each from C++).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -31,7 +31,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
 using Attention = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                       const at::Tensor&, const at::Tensor&, double);
 
-// The step's decode attention as kernels/torch_decode.py runs it, op for op: each sequence's own keys
+// The step's decode attention as kernels/pytorch/decode.py runs it, op for op: each sequence's own keys
 // through the slots, then every shared prefix attended once for all its sequences (cascade) and merged
 // with their own part through the two log-sum-exps. A prefix: its member rows (empty: every row), its
 // blocks, and its first block when they are consecutive in the pool (read in place), else -1.

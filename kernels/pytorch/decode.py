@@ -16,8 +16,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import cpu_ops, torch_budget
-from kernels.torch_prefill import sliced_attention
+from kernels.cpu import ops as cpu_ops
+from kernels.pytorch import budget as torch_budget
+from kernels.pytorch.prefill import sliced_attention
 
 
 class SharedPrefix(NamedTuple):

@@ -2,7 +2,7 @@
 
 Stage 1 runs one program per (sequence, KV head, split): it loads each K/V tile once for all the
 query heads sharing that KV head (group padded to >= 16 rows so tl.dot can use tensor cores) and
-keeps an online softmax in fp32 (the tile loop shared with prefill, kernels.triton_tiles). With one
+keeps an online softmax in fp32 (the tile loop shared with prefill, kernels.triton.tiles). With one
 split it writes the output directly; otherwise each split writes a normalised partial and its
 log-sum-exp, and stage 2 merges the splits.
 """
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_tiles import attend_kv_tiles
+from kernels.triton.tiles import attend_kv_tiles
 
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
 MAX_SPLITS = 64
@@ -105,7 +105,7 @@ def stage1_meta(group: int, head_dim: int, block_size: int, split: bool, dtype: 
     """Constexprs and launch options of stage 1 (the split count itself is a runtime argument, so
     varying batches don't trigger recompiles). About 32 K (or V) elements per thread per tile:
     compiles without register spills on sm_80 / sm_90 for head_dim <= 256 in fp16, bf16 and fp32
-    (see kernels.compile_check)."""
+    (see kernels.triton.compile_check)."""
     elem = dtype.itemsize
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if elem == 2 or block_d <= 128 else 16

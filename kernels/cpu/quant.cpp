@@ -22,19 +22,19 @@
 // instruction each per block for all 8. Memory traffic is the packed weight itself, a sixth (q4) or
 // a third (q8) of the fp32 matrix.
 //
-// Built at first use by torch.utils.cpp_extension (kernels/cpu_ops.py). Parallel over groups of
-// output rows through cpu_pool.h, so it honours torch.set_num_threads.
+// Built at first use by torch.utils.cpp_extension (kernels/cpu/ops.py). Parallel over groups of
+// output rows through pool.h, so it honours torch.set_num_threads.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 #include <algorithm>
 #include <vector>
 
 
-// The avx512 variant (kernels/cpu_isa.py) is built for F, BW, VL, DQ and VNNI. Its block sums take
+// The avx512 variant (kernels/cpu/isa.py) is built for F, BW, VL, DQ and VNNI. Its block sums take
 // VNNI's multiply-add: the same exact integers, so every result is the avx2 variant's bit for bit.
 // Block sums on 512-bit vectors (a row's block in one vector, one multiply-add per row of x, a wider
 // fold) were tried and measured 1.35x (one sequence) to 2.3x (eight) slower on Zen 4, which splits

@@ -15,7 +15,7 @@ from pathlib import Path
 
 ISAS = ("avx512", "avx2", "generic")  # best first
 # The variants built from our C++ sources (one set of sources: the avx512 build's block sums take
-# 512-bit vectors and VNNI, cpu_quant.cpp). A CPU with AVX-512 but no VNNI (Skylake-X) runs avx2.
+# 512-bit vectors and VNNI, quant.cpp). A CPU with AVX-512 but no VNNI (Skylake-X) runs avx2.
 BUILT = ("avx512", "avx2")
 # cpuid flags (Linux names) each variant's code needs
 NEEDS = {
