@@ -220,7 +220,7 @@ class RoseChatApp(App[None]):
             await self._send_queued(tab)
 
     async def _send_queued(self, tab: ChatTab) -> None:
-        if self.engine is not None and (rid := await tab.send_queued(self._params(1))) is not None:
+        if self.engine is not None and (rid := await tab.send_queued(self.sampling_params(1))) is not None:
             self.requests[rid] = tab
 
     @on(ChatTab.Idle)
@@ -256,7 +256,9 @@ class RoseChatApp(App[None]):
             self.notify("This tab is still replying (escape stops it).", severity="warning")
         return self.engine is not None and not tab.generating
 
-    def _params(self, n: int) -> SamplingParams:
+    def sampling_params(self, n: int) -> SamplingParams:
+        """What a reply with ``n`` alternatives is sampled with: config.toml's [sampling] over the model's
+        own generation defaults (a subclass may change them: `rosechat bench app` runs every reply to max_tokens)."""
         from engine import SamplingParams
 
         model_defaults = self.llm.info.generation_defaults if self.llm is not None else {}  # a server: its own
@@ -352,7 +354,7 @@ class RoseChatApp(App[None]):
 
     async def send(self, tab: ChatTab, text: str) -> str:
         """Add a user message to ``tab`` and start the reply; returns the request id."""
-        rid = await tab.send(text, self._params(1))
+        rid = await tab.send(text, self.sampling_params(1))
         self.requests[rid] = tab  # before the next drain can run (same thread): no event is missed
         return rid
 
@@ -364,7 +366,7 @@ class RoseChatApp(App[None]):
         tab = self.active_tab
         if tab is None or not self._can_start(tab):
             return
-        if (rid := await tab.regenerate(self._params(self.config.chat.alternatives))) is not None:
+        if (rid := await tab.regenerate(self.sampling_params(self.config.chat.alternatives))) is not None:
             self.requests[rid] = tab
 
     async def action_cycle(self, step: int) -> None:

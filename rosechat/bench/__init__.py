@@ -14,6 +14,10 @@ def main(argv: list[str]) -> int:
         from rosechat.bench import serve
 
         return serve.main(argv[1:])
+    if argv[:1] == ["app"]:  # the app's tok/s and key latency against the engine's, one run (app_bench.py)
+        from rosechat.bench import app_bench
+
+        return app_bench.main(argv[1:])
     return cli.main(argv)
 
 

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "several turns; random: requests of random lengths through continuous batching; "
                    "decode-overhead: rosechat's decode step against the model math alone. "
                    "(`rosechat bench parity --help`: a model's logits against transformers; "
-                   "`rosechat bench serve --help`: rosechat serve under concurrent streams.)")
+                   "`rosechat bench serve --help`: rosechat serve under concurrent streams; "
+                   "`rosechat bench app --help`: the app's tok/s and key latency against the engine's.)")
     p.add_argument("--model", default="demo-135m",
                    help="a .gguf file, a folder, a hub id, smollm2-135m-instruct, or demo / demo-135m (default)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
@@ -284,12 +285,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         decode=decode)
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def report_main(prog: str, args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
+                render: Callable[[dict[str, Any]], str], ok: Callable[[dict[str, Any]], bool]) -> int:
+    """Run a bench and print its report (its table, or one JSON object with --json). Exit status 0 when
+    `ok` passes the report, 1 when not or when the run stopped on a BenchError (said on stderr)."""
     try:
         report = run(args)
     except BenchError as e:
-        print(f"rosechat bench: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0 if all(s["outputs_match"] for s in report["systems"]) else 1
+    return 0 if ok(report) else 1
+
+
+def main(argv: list[str]) -> int:
+    return report_main("rosechat bench", build_parser().parse_args(argv), run, render,
+                       lambda report: all(s["outputs_match"] for s in report["systems"]))

@@ -27,7 +27,11 @@ ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 # (Textual re-parses the reply's last block, remounts it, re-lays out and repaints the screen), and
 # while the UI thread runs, the in-process engine waits for the GIL after each of its kernels: on a
 # 2-core machine, redrawing at 30 Hz held SmolLM2-135M to ~28 tokens/s where the engine alone
-# decodes ~90-100.
+# decodes ~90-100. The UI thread's CPU clock is read once per write, not per piece of text: under
+# load, time.thread_time() (a system call, unlike time.monotonic()) took ~80 us on average and up to
+# 5 ms on a 2-core machine, the GIL held throughout. A reply in a tab not shown keeps its text and
+# writes it when the tab is shown (or the reply ends): with four tabs streaming, three redraws in
+# four drew nothing anyone could see (`rosechat bench app` measures the app against the engine).
 REDRAW_INTERVAL = 0.1
 REDRAW_SHARE = 0.25
 REDRAW_MAX = 0.5
@@ -70,12 +74,21 @@ class ChatInput(TextArea):
         self.insert("\n")
 
 
+_PARSER: MarkdownIt | None = None
+
+
 def _markdown_parser() -> MarkdownIt:
     """Markdown where a single newline in a reply is a line break, as the model wrote it (a poem,
-    an address, a list without Markdown). Code blocks are untouched."""
-    parser = MarkdownIt("gfm-like")
-    parser.core.ruler.push("hard_breaks", _hard_breaks)
-    return parser
+    an address, a list without Markdown). Code blocks are untouched. Textual asks for a parser at
+    every write: one, built once (0.4 ms, and its rules compiled at first parse, 0.5 ms more); a parse
+    keeps its state in its own objects, so the Markdown widgets (and Textual's parsing thread) share it."""
+    global _PARSER
+    if _PARSER is None:
+        parser = MarkdownIt("gfm-like")
+        parser.core.ruler.push("hard_breaks", _hard_breaks)
+        parser.parse("")  # compiles the rule chains now, on one thread
+        _PARSER = parser
+    return _PARSER
 
 
 def _hard_breaks(state: StateCore) -> None:
@@ -121,8 +134,8 @@ class MessageView(Vertical):
         self.stats: list[ReplyStats] = []  # per alternative, once finished
         self._stream: MarkdownStream | None = None
         self._unwritten = ""  # the shown alternative's text not yet written to the stream
-        self._last_write = float("-inf")  # time.monotonic() of the last write (-inf: none yet)
-        self._last_write_cpu = 0.0  # the UI thread's time.thread_time() then
+        self._next_write = float("-inf")  # time.monotonic() when the next write is due (-inf: at once)
+        self._last_write_cpu: float | None = None  # the UI thread's time.thread_time() at the last write
         self._write_timer: Timer | None = None  # writes the rest when it is due
         # The tab streams text in while the app may switch the alternative shown (two tasks):
         # each change of what is shown runs whole.
@@ -157,37 +170,43 @@ class MessageView(Vertical):
             while index >= len(self.texts):
                 self.texts.append("")
             self.texts[index] += text
-            if index == self.shown:
+            if index == self.shown and text:
                 self._unwritten += text
-                if (wait := self._write_due_in()) <= 0:
-                    await self._write()
-                elif self._write_timer is None:
-                    self._write_timer = self.set_timer(wait, self._write_later, name="reply-redraw")
+                if self._write_timer is None and not self._hidden():
+                    if (wait := self._next_write - time.monotonic()) <= 0:
+                        await self._write()
+                    else:
+                        self._write_timer = self.set_timer(wait, self._write_later, name="reply-redraw")
 
-    def _write_due_in(self) -> float:
-        """Seconds until the next write is due (see REDRAW_INTERVAL)."""
-        busy = time.thread_time() - self._last_write_cpu  # this (the UI) thread's CPU since the last write
-        interval = min(max(REDRAW_INTERVAL, busy / REDRAW_SHARE), REDRAW_MAX)
-        return self._last_write + interval - time.monotonic()
+    def _hidden(self) -> bool:
+        """In a tab not shown: the tabs' ContentSwitcher sets display none on the panes not shown."""
+        return any(not node.display for node in self.ancestors_with_self)
+
+    async def on_show(self) -> None:
+        """Shown again (its tab chosen): the text kept meanwhile, at once."""
+        async with self._lock:
+            self._last_write_cpu = None  # the UI's work while it was hidden was not its redraws
+            await self._write()
 
     async def _write_later(self) -> None:
         async with self._lock:
             self._write_timer = None
-            if (wait := self._write_due_in()) > 0.005:  # the UI was busier than when it was set
-                self._write_timer = self.set_timer(wait, self._write_later, name="reply-redraw")
-            else:
+            if not self._hidden():  # hidden meanwhile: written when shown (on_show)
                 await self._write()
 
     async def _write(self) -> None:
-        """Write the text not yet shown to the Markdown stream (the lock held)."""
+        """Write the text not yet shown to the Markdown stream (the lock held), and set when the next
+        write is due: REDRAW_INTERVAL on, longer when the UI thread was busy since the last write."""
         if self._write_timer is not None:
             self._write_timer.stop()
             self._write_timer = None
         if not self._unwritten:
             return
         text, self._unwritten = self._unwritten, ""
-        self._last_write = time.monotonic()
-        self._last_write_cpu = time.thread_time()
+        cpu = time.thread_time()
+        busy = 0.0 if self._last_write_cpu is None else cpu - self._last_write_cpu
+        self._next_write = time.monotonic() + min(max(REDRAW_INTERVAL, busy / REDRAW_SHARE), REDRAW_MAX)
+        self._last_write_cpu = cpu
         if self._stream is None:
             self._stream = Markdown.get_stream(self.markdown)
         await self._stream.write(text)
@@ -200,7 +219,8 @@ class MessageView(Vertical):
         elif self._write_timer is not None:
             self._write_timer.stop()
             self._write_timer = None
-        self._unwritten, self._last_write = "", float("-inf")  # a next stream shows its first text at once
+        self._unwritten, self._next_write = "", float("-inf")  # a next stream shows its first text at once
+        self._last_write_cpu = None
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.stop()

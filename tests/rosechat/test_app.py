@@ -973,3 +973,34 @@ async def test_a_streaming_reply_is_drawn_in_batches_and_whole(tmp_path: Path, m
         await view.set_texts([whole + "".join(more)])  # finished: shown whole at once
         assert view.markdown.source == view.text == whole + "".join(more)
         assert writes[2:] == ["".join(more)]
+
+
+async def test_a_reply_in_a_hidden_tab_is_written_when_shown_and_when_it_ends(tmp_path: Path) -> None:
+    """A reply streaming in a tab not shown keeps its text (a redraw there is one nobody sees) and writes
+    it when its tab is shown, at once; a reply that ends while hidden is written whole all the same."""
+    from rosechat.widgets import chat
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        first = app.active_tab
+        shown_later, ends_hidden = chat.MessageView("assistant"), chat.MessageView("assistant")
+        await first.log_view.mount_all([shown_later, ends_hidden])
+        await new_tab(pilot)  # the first tab is hidden now
+        await wait_for(pilot, lambda: not first.display, "the first tab to be hidden")  # its pane: display none
+        for piece in ("Kept", " while", " hidden"):
+            await shown_later.add_delta(0, piece)
+            await ends_hidden.add_delta(0, piece.upper())
+        assert shown_later._stream is None and shown_later._unwritten == "Kept while hidden"  # nothing drawn
+        assert shown_later.markdown.source == ""
+
+        await ends_hidden.set_texts(["KEPT WHILE HIDDEN"])  # the reply ends in the hidden tab
+        assert ends_hidden.markdown.source == ends_hidden.text == "KEPT WHILE HIDDEN"
+
+        app.tabbed.activate(first)
+        await on_tab(pilot, first, "the first tab shown again")
+        await wait_for(pilot, lambda: shown_later.markdown.source == "Kept while hidden", "the kept text, shown")
+        assert shown_later.texts == ["Kept while hidden"] and shown_later._unwritten == ""
+        await shown_later.add_delta(0, ", then shown")  # streaming on in the tab shown
+        await shown_later.set_texts(["Kept while hidden, then shown"])
+        assert shown_later.markdown.source == "Kept while hidden, then shown"
