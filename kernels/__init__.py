@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.cpu import ops as cpu_ops
 from kernels.pytorch import cache as torch_cache
 from kernels.pytorch import decode as torch_decode
 from kernels.pytorch import prefill as torch_prefill
@@ -83,8 +84,9 @@ def paged_decode_attention(
         from kernels.triton.decode import paged_decode_attention as impl
 
         return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
+    own = cpu_ops.decode_attention if cpu_ops.use_fused(q) else None  # our C++ kernel where it runs
     return torch_decode.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, shared_prefixes, plan
+        q, k_cache, v_cache, block_tables, context_lens, scale, shared_prefixes, plan, own
     )
 
 
@@ -125,6 +127,10 @@ def write_kv(
         from kernels.triton.cache import write_kv as impl
     else:
         impl = torch_cache.write_kv
+        D = k_cache.shape[-1]
+        if (cpu_ops.use_fused(k_cache) and k.dtype == v.dtype == torch.float32 and k.stride(1) == v.stride(1) == D
+                and k.stride(2) == v.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            slot_mapping, impl = slot_mapping.long(), cpu_ops.write_kv  # ours: one pass, -1 slots skipped inside
     impl(k, v, k_cache, v_cache, slot_mapping)
 
 

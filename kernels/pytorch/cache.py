@@ -6,8 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.cpu import ops as cpu_ops
-
 
 def write_kv(
     k: torch.Tensor,
@@ -18,10 +16,6 @@ def write_kv(
 ) -> None:
     """k, v: [T, Hkv, D] into one layer's cache at slot_mapping: [T] (-1 = skip)."""
     Hkv, D = k_cache.shape[-2:]
-    if (cpu_ops.use_fused(k_cache) and k.dtype == v.dtype == torch.float32 and k.stride(1) == v.stride(1) == D
-            and k.stride(2) == v.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        cpu_ops.write_kv(k, v, k_cache, v_cache, slot_mapping.long())  # one pass, -1 skipped inside
-        return
     keep = (slot_mapping >= 0).nonzero().squeeze(1)
     if keep.numel() != slot_mapping.numel():
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]

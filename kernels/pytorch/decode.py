@@ -10,13 +10,12 @@ them (cascade attention). fp16/bf16 and very long contexts take the sliced prefi
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from kernels.cpu import ops as cpu_ops
 from kernels.pytorch import budget as torch_budget
 from kernels.pytorch.prefill import sliced_attention
 
@@ -122,6 +121,11 @@ def _slots(tables: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
     return tables.long().gather(1, pos // bs) * bs + pos % bs
 
 
+# (q [n, Hq, D], k_rows, v_rows [slots, Hkv * D], slots [n, L], counts [n], scale) -> (out, lse)
+OwnAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                        tuple[torch.Tensor, torch.Tensor]]
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -131,9 +135,12 @@ def paged_decode_attention(
     scale: float,
     shared_prefixes: Sequence[SharedPrefix] = (),
     plan: DecodePlan | None = None,
+    own_attention: OwnAttention | None = None,
 ) -> torch.Tensor:
     """One query per sequence: gather each sequence's keys token by token and run the fused
     attention kernel, a chunk of sequences at a time (a chunk's gathered K+V within KV_BUDGET).
+    `own_attention` (kernels/__init__.py passes our C++ kernel's where it runs) takes a chunk's own
+    keys in place through its slots instead: no gathered copy, no mask.
 
     A shared prefix is attended once for all its sequences (cascade attention): their queries
     stack into one matrix against the prefix's K/V, read once instead of once per sequence, and
@@ -154,13 +161,11 @@ def paged_decode_attention(
         plan = plan_decode(block_tables, context_lens, bs, Hkv * D, q.dtype, shared_prefixes)
     # 2-D rows: index_select copies whole rows then (several times faster than on the 3-D view)
     k_rows, v_rows = k_cache.view(-1, Hkv * D), v_cache.view(-1, Hkv * D)
-    fused = cpu_ops.use_fused(q)
     out = lse = None
     for c in plan.chunks:
         qc = q if c.seqs is None else q.index_select(0, c.seqs)
-        if fused:  # reads the keys in place through the slots: no gathered copy, no mask
-            o, lse_c = cpu_ops.decode_attention(qc.contiguous(), k_rows, v_rows, c.slots.view(c.n, c.L), c.counts,
-                                                scale)
+        if own_attention is not None:
+            o, lse_c = own_attention(qc.contiguous(), k_rows, v_rows, c.slots.view(c.n, c.L), c.counts, scale)
         else:
             k = k_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)
             v = v_rows.index_select(0, c.slots).view(c.n, c.L, Hkv, D).transpose(1, 2)

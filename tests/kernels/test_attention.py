@@ -386,3 +386,18 @@ def test_bf16_cuda(backend: str) -> None:
     ctx, new = prefill_lens(16)
     case = make_case(ctx + [2000], new + [100], 8, 2, 128, 16, torch.bfloat16, seed=2)
     check(run_prefill(case, backend), case, f"prefill {backend} bf16")
+
+
+def test_the_pytorch_path_never_calls_our_cpp() -> None:
+    """kernels/pytorch/ is the reference our C++ and Triton kernels are held to: it imports neither;
+    kernels/__init__.py hands it our C++ attention where that runs."""
+    import ast
+    from pathlib import Path
+
+    import kernels
+
+    for module in (Path(kernels.__file__).parent / "pytorch").glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            assert not any(n.startswith(("kernels.cpu", "kernels.triton")) for n in names), (module.name, names)
