@@ -67,6 +67,17 @@ def has_bf16(flags: frozenset[str]) -> bool:
 class IsaChoice:
     isa: str  # one of ISAS
     reason: str  # one line, for logs, the title and bench headers
+    forced: bool = False  # by ROSECHAT_CPU_ISA: no other variant stands in if it cannot be built
+
+
+def fallbacks(choice: IsaChoice, flags: frozenset[str] | None = None) -> list[IsaChoice]:
+    """The variants to try, in order, where `choice` cannot be built (a compiler without AVX-512
+    flags): the next built ones this CPU runs; none where the choice was forced."""
+    if choice.forced:
+        return []
+    can = runnable(cpu_flags() if flags is None else flags)
+    return [IsaChoice(isa, f"{isa} (the {choice.isa} kernels did not build)")
+            for isa in can[can.index(choice.isa) + 1:] if isa in BUILT]
 
 
 def choose(flags: frozenset[str] | None = None, forced: str | None = None) -> IsaChoice:
@@ -84,7 +95,7 @@ def choose(flags: frozenset[str] | None = None, forced: str | None = None) -> Is
         if forced != "generic" and forced not in BUILT:
             raise ValueError(f"ROSECHAT_CPU_ISA={forced}: no {forced} kernels in this version "
                              f"(built: {', '.join(BUILT)}, generic)")
-        return IsaChoice(forced, f"{forced} (forced by ROSECHAT_CPU_ISA)")
+        return IsaChoice(forced, f"{forced} (forced by ROSECHAT_CPU_ISA)", forced=True)
     best = next(isa for isa in can if isa in BUILT or isa == "generic")
     if best == "generic":
         return IsaChoice("generic", "generic: this CPU has no AVX2 (torch's own ops)")

@@ -79,21 +79,24 @@ def _build_once() -> str | None:
         return str(e)
     if choice.isa == "generic":
         return f"CPU kernels off: {choice.reason}"
-    where = build_dir(choice.isa)
-    library = where / f"rosechat_cpu_{choice.isa}.so"
-    done = where / "built"  # written after a build succeeded: a killed build leaves none
-    try:
-        if not done.exists():
-            _compile(choice.isa, where, done)
-        torch.ops.load_library(str(library))
-    except Exception as exc:  # no compiler, no headers: the caller falls back to torch's kernels
-        text = str(exc).strip()
-        last = text.splitlines()[-1] if text else type(exc).__name__
-        reason = f"could not build the {choice.isa} CPU kernels ({last}): torch's own kernels run instead"
-        log.warning(reason)
-        return reason
-    log.info("CPU kernels: %s, from %s", choice.reason, where)
-    return None
+    global _running
+    failed = []
+    for candidate in [choice, *cpu_isa.fallbacks(choice)]:
+        where = build_dir(candidate.isa)
+        done = where / "built"  # written after a build succeeded: a killed build leaves none
+        try:
+            if not done.exists():
+                _compile(candidate.isa, where, done)
+            torch.ops.load_library(str(where / f"rosechat_cpu_{candidate.isa}.so"))
+        except Exception as exc:  # no compiler, no headers, flags it lacks: the next variant, then torch
+            text = str(exc).strip()
+            failed.append(f"{candidate.isa}: {text.splitlines()[-1] if text else type(exc).__name__}")
+            log.warning("could not build the %s CPU kernels (%s)", candidate.isa, failed[-1])
+            continue
+        _running = candidate
+        log.info("CPU kernels: %s, from %s", candidate.reason, where)
+        return None
+    return f"could not build the CPU kernels ({'; '.join(failed)}): torch's own kernels run instead"
 
 
 def _compile(isa: str, where: Path, done: Path) -> None:
@@ -133,12 +136,13 @@ def needs_build() -> bool:
 def build_status() -> str:
     """One line on which kernels run: "rosechat avx2 (…)" or "torch (why)", for titles and bench headers."""
     reason = _build()
-    if reason is None:
-        return f"rosechat {cpu_isa.choose().reason}"
+    if reason is None and _running is not None:
+        return f"rosechat {_running.reason}"
     return f"torch ({reason})"
 
 
 _built = False  # once built, asked on every layer call: no lock
+_running: cpu_isa.IsaChoice | None = None  # the variant loaded
 
 
 def available() -> bool:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels.cpu import isa as cpu_isa
+from kernels.cpu import ops as cpu_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -126,3 +127,36 @@ def test_the_kernel_tests_pass_on_every_isa_variant(isa: str) -> None:
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
     assert f"kernels {isa} (forced by ROSECHAT_CPU_ISA)" in out.stdout  # the header: it ran on that variant
+
+
+def test_a_variant_that_does_not_build_gives_way_to_the_next(monkeypatch, tmp_path: Path) -> None:
+    """An AVX-512 CPU whose compiler cannot build the avx512 variant runs avx2, and says so, rather than
+    falling back to torch's kernels; a forced variant has no stand-in."""
+    flags = cpu_isa.cpu_flags()
+    if "avx2" not in cpu_isa.runnable(flags):
+        pytest.skip("this CPU lacks avx2")
+    zen4 = flags | frozenset("avx512f avx512bw avx512vl avx512dq avx512_vnni".split())
+    real_dir, real_compile = cpu_ops.build_dir, cpu_ops._compile
+
+    def compile_(isa: str, where: Path, done: Path) -> None:
+        if isa == "avx512":
+            raise RuntimeError("c++: error: unrecognized command-line option '-mavx512vnni'")
+        real_compile(isa, where, done)
+
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: zen4)
+    monkeypatch.setattr(cpu_ops, "build_dir", lambda isa: tmp_path / isa if isa == "avx512" else real_dir(isa))
+    monkeypatch.setattr(cpu_ops, "_compile", compile_)
+    running = cpu_ops._running
+    try:
+        monkeypatch.delenv("ROSECHAT_CPU_ISA")
+        cpu_ops._build_once.cache_clear()
+        assert cpu_ops.build_status() == "rosechat avx2 (the avx512 kernels did not build)"
+        monkeypatch.setenv("ROSECHAT_CPU_ISA", "avx512")
+        cpu_ops._build_once.cache_clear()
+        status = cpu_ops.build_status()
+        assert status.startswith("torch (could not build the CPU kernels (avx512: c++: error: unrecognized"), status
+    finally:
+        cpu_ops._build_once.cache_clear()
+        monkeypatch.undo()
+        cpu_ops._running = running
+        assert cpu_ops.build_status().startswith("rosechat avx2 (forced")  # the suite's pinned variant again
