@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from kernels.cpu import isa as cpu_isa
 from kernels.cpu import ops as cpu_ops
@@ -18,6 +19,15 @@ def build_one(isa: str) -> None:
     register the same operators)."""
     where = cpu_ops.build_dir(isa)
     cpu_ops._compile(isa, where, where / "built")
+
+
+def _prune(current: list[Path]) -> None:
+    """Remove the environment's builds of older sources (each edit of a kernel leaves one behind).
+    Only in the environment, which is this checkout's: the user cache may hold other checkouts'."""
+    for root in {where.parent for where in current if where.is_relative_to(sys.prefix)}:
+        for old in root.iterdir():
+            if old.name.split("-")[0] in cpu_isa.ISAS and old.with_suffix("") not in current:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def main(argv: list[str]) -> int:
@@ -44,6 +54,7 @@ def main(argv: list[str]) -> int:
             print(f"failed: {lines[-1] if lines else f'exit {done.returncode}'}")
             continue
         print(f"{time.perf_counter() - t0:.1f} s, in {where}")
+    _prune([cpu_ops.build_dir(isa) for isa in cpu_isa.BUILT])
     print(f"this CPU runs: {cpu_isa.choose(forced='').reason}" + (" (torch's kernels where a build failed)"
                                                                    if failed else ""))
     return 0
