@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ISAS = ("avx512", "avx2", "generic")  # best first
-# The variants built from our C++ sources (one set of sources: the avx512 build's block sums take
-# 512-bit vectors and VNNI, quant.cpp). A CPU with AVX-512 but no VNNI (Skylake-X) runs avx2.
-BUILT = ("avx512", "avx2")
+# The variants built from our C++ sources, one set of them compiled per ISA (the avx512 build's
+# block sums take VNNI, quant.cpp). A CPU with AVX-512 but no VNNI (Skylake-X) runs avx2.
+BUILT = tuple(isa for isa in ISAS if isa != "generic")
 # cpuid flags (Linux names) each variant's code needs
 NEEDS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"),
@@ -82,7 +82,7 @@ def fallbacks(choice: IsaChoice, flags: frozenset[str] | None = None) -> list[Is
 
 def choose(flags: frozenset[str] | None = None, forced: str | None = None) -> IsaChoice:
     """The variant to run. `flags`: the CPU's (tests fake them); `forced`: ROSECHAT_CPU_ISA's value
-    when None. A forced variant this CPU cannot run, or that is not built, is a ValueError."""
+    when None. A forced variant this CPU cannot run is a ValueError."""
     flags = cpu_flags() if flags is None else flags
     forced = os.environ.get("ROSECHAT_CPU_ISA", "") if forced is None else forced
     can = runnable(flags)
@@ -92,13 +92,7 @@ def choose(flags: frozenset[str] | None = None, forced: str | None = None) -> Is
         if forced not in can:
             missing = [f for f in NEEDS[forced] if f not in flags]
             raise ValueError(f"ROSECHAT_CPU_ISA={forced}: this CPU lacks {', '.join(missing)}")
-        if forced != "generic" and forced not in BUILT:
-            raise ValueError(f"ROSECHAT_CPU_ISA={forced}: no {forced} kernels in this version "
-                             f"(built: {', '.join(BUILT)}, generic)")
         return IsaChoice(forced, f"{forced} (forced by ROSECHAT_CPU_ISA)", forced=True)
-    best = next(isa for isa in can if isa in BUILT or isa == "generic")
-    if best == "generic":
+    if can[0] == "generic":
         return IsaChoice("generic", "generic: this CPU has no AVX2 (torch's own ops)")
-    if can[0] != best:
-        return IsaChoice(best, f"{best} ({can[0]} CPU; {can[0]} kernels not written yet)")
-    return IsaChoice(best, f"{best} (from the CPU's flags)")
+    return IsaChoice(can[0], f"{can[0]} (from the CPU's flags)")

@@ -73,13 +73,15 @@ def _cflags(isa: str) -> list[str]:
 
 @functools.cache
 def _build_once() -> str | None:
+    global _running
+    if _running is not None:  # a process holds one variant's operators: a second would abort on load
+        return None
     try:
         choice = cpu_isa.choose()
     except ValueError as e:
         return str(e)
     if choice.isa == "generic":
         return f"CPU kernels off: {choice.reason}"
-    global _running
     failed = []
     for candidate in [choice, *cpu_isa.fallbacks(choice)]:
         where = build_dir(candidate.isa)

@@ -3,6 +3,8 @@ happens to run on must not hide a default that breaks on the other kind."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,6 +17,9 @@ ZEN4_AVX512 = ZEN3_AVX2 | frozenset("avx512f avx512bw avx512vl avx512dq avx512_v
 SKYLAKE_X = ZEN3_AVX2 | frozenset("avx512f avx512bw avx512vl avx512dq avx512cd".split())  # AVX-512, no VNNI
 SAPPHIRE_AMX = ZEN4_AVX512 | frozenset("amx_bf16 amx_int8 amx_tile".split())
 NO_AVX = frozenset("sse4_2".split())
+
+
+PINNED_ISA = os.environ.get("ROSECHAT_CPU_ISA")  # tests/conftest.py's
 
 
 @pytest.fixture(autouse=True)
@@ -83,11 +88,13 @@ def test_isa_choice_and_forcing(flags: frozenset[str], want: list[str]) -> None:
         cpu_isa.choose(flags, forced="sse")
 
 
-def test_every_entry_point_takes_the_same_defaults(tiny_llama) -> None:
+def test_every_entry_point_takes_the_same_defaults(tiny_llama, monkeypatch) -> None:
     """EngineConfig (the app, serve, from_pretrained) and load_model resolve alike; the KV cache takes the
     dtype of the model actually loaded."""
     from engine import LLMEngine, load_model
 
+    if PINNED_ISA:  # loading builds our kernels in this process: the suite's pinned variant, whatever runs first
+        monkeypatch.setenv("ROSECHAT_CPU_ISA", PINNED_ISA)
     here = defaults.resolve()
     config = EngineConfig()
     assert (config.dtype, config.quantization, config.device) == (here.dtype, here.quantization, here.device)
