@@ -19,12 +19,14 @@ from rosechat.bench import workloads
 from rosechat.bench.decode import DecodeReport, measure_decode
 from rosechat.bench.report import build_report, render
 from rosechat.bench.roofline import measure_machine, model_cost
+from rosechat.bench.sampling import GREEDY, SAMPLINGS, describe, sampling_list
 from rosechat.bench.systems import (
     CONTINUOUS,
     GENERATE,
     LLAMA_CPP,
     NO_PREFIX_CACHE,
     ROSECHAT,
+    SAMPLED_SYSTEMS,
     SYSTEMS,
     BenchError,
     ContinuousBatchingRunner,
@@ -57,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rosechat bench",
         description="Benchmark the rosechat engine against transformers generate() and continuous batching "
-        "(same weights, dtype and threads); every system's greedy output is checked against transformers first.",
+        "(same weights, dtype and threads), llama.cpp beside them on a GGUF file; every system's output is checked "
+        "against transformers' logits for the sampling setting it ran.",
     )
     p.add_argument("workload", nargs="?", default="chat", choices=WORKLOADS,
                    help="chat (default): conversations sharing one system prompt; multiturn: conversations over "
@@ -86,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--profile", metavar="DIR", type=Path, help="write a PyTorch profiler trace of decode steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampling", type=sampling_list,
+                   help="comma-separated settings, each run by rosechat and llama.cpp (the transformers systems and "
+                   "rosechat-no-prefix-cache run greedy only); default: all with chat and multiturn, greedy with "
+                   "random: " + describe())
     w = p.add_argument_group("workload sizes (defaults per workload)")
     w.add_argument("--conversations", type=int, help="chat: 8, multiturn: 4")
     w.add_argument("--turns", type=int, help="multiturn: 4")
@@ -110,15 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _workload(args: argparse.Namespace, src: workloads.TokenSource) -> workloads.Workload:
+def _workload(args: argparse.Namespace, loaded: Any, src: workloads.TokenSource) -> workloads.Workload:
     def given(**kw: Any) -> dict[str, Any]:
         return {k: v for k, v in kw.items() if v is not None}
 
+    if args.workload in ("chat", "multiturn"):
+        try:
+            text = workloads.ChatText(loaded.tokenizer)
+        except ValueError as e:
+            raise BenchError(f"{args.workload}: {loaded.name}: {e}") from None
     if args.workload == "chat":
-        return workloads.chat(src, **given(conversations=args.conversations, system_tokens=args.system_tokens,
+        return workloads.chat(text, **given(conversations=args.conversations, system_tokens=args.system_tokens,
                                            user_tokens=args.user_tokens, max_tokens=args.max_tokens))
     if args.workload == "multiturn":
-        return workloads.multiturn(src, **given(conversations=args.conversations, turns=args.turns,
+        return workloads.multiturn(text, **given(conversations=args.conversations, turns=args.turns,
                                                 system_tokens=args.system_tokens, user_tokens=args.user_tokens,
                                                 max_tokens=args.max_tokens))
     return workloads.random_requests(src, **given(requests=args.requests, prompt_range=args.prompt_range,
@@ -166,7 +178,7 @@ def _load() -> str:
 def _verify(result: SystemResult, verifier: Verifier) -> None:
     if result.mismatch is None:
         for i, (stream, generated) in enumerate(zip(result.streams, result.generated)):
-            problem = verifier.check(stream, generated)
+            problem = verifier.check(stream, generated, SAMPLINGS[result.sampling])
             if problem:
                 result.mismatch = f"conversation {i}: {problem}"
                 break
@@ -174,7 +186,9 @@ def _verify(result: SystemResult, verifier: Verifier) -> None:
 
 
 def _runner_factories(args: argparse.Namespace, names: list[str], loaded: Any, twin: Any,
-                      workload: workloads.Workload, gguf: str | None) -> list[Callable[[], Runner]]:
+                      workload: workloads.Workload, gguf: str | None) -> list[tuple[str, Callable[[str], Runner]]]:
+    """(system, factory) for each system that runs, in `names`' order; a factory makes a fresh runner for one
+    sampling setting."""
     from engine import EngineConfig, LLMEngine
 
     opts = _engine_options(args)
@@ -182,22 +196,23 @@ def _runner_factories(args: argparse.Namespace, names: list[str], loaded: Any, t
     pad = loaded.tokenizer.pad_token_id
     pad = pad if pad is not None else (loaded.eos_token_ids or [0])[0]
     config = EngineConfig(model=loaded.name, **opts)
-    factories: dict[str, Callable[[], Runner]] = {
-        ROSECHAT: lambda: RosechatRunner(ROSECHAT, loaded, opts, prefix_caching=True, conversations=multi_turn),
-        NO_PREFIX_CACHE: lambda: RosechatRunner(NO_PREFIX_CACHE, loaded, opts, prefix_caching=False,
-                                                conversations=multi_turn),
-        GENERATE: lambda: GenerateRunner(twin, pad),
+    factories: dict[str, Callable[[str], Runner]] = {
+        ROSECHAT: lambda s: RosechatRunner(ROSECHAT, loaded, opts, prefix_caching=True, conversations=multi_turn,
+                                           sampling=s),
+        NO_PREFIX_CACHE: lambda s: RosechatRunner(NO_PREFIX_CACHE, loaded, opts, prefix_caching=False,
+                                                  conversations=multi_turn, sampling=s),
+        GENERATE: lambda s: GenerateRunner(twin, pad),
     }
     if gguf is not None and llama_cpp_available():
         n_ctx = max(sum(len(t.new_tokens) + t.max_tokens for t in conv) for conv in workload.conversations) + 16
-        factories[LLAMA_CPP] = lambda: LlamaCppRunner(gguf, args.threads, n_ctx)
+        factories[LLAMA_CPP] = lambda s: LlamaCppRunner(gguf, args.threads, n_ctx, sampling=s)
     if ContinuousBatchingRunner.available(twin):
         # the same paged pool as rosechat: block size, number of blocks, tokens per step
         pool = LLMEngine(loaded, config).info.num_blocks
-        factories[CONTINUOUS] = lambda: ContinuousBatchingRunner(
+        factories[CONTINUOUS] = lambda s: ContinuousBatchingRunner(
             twin, pad, page_size=config.block_size, num_blocks=pool, max_batch_tokens=config.max_num_batched_tokens
         )
-    return [factories[n] for n in names if n in factories]
+    return [(n, factories[n]) for n in names if n in factories]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -235,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     machine = measure_machine(dtype, device)
     cost = model_cost(loaded, dtype)
 
-    workload = None if args.workload == "decode-overhead" else _workload(args, src)
+    workload = None if args.workload == "decode-overhead" else _workload(args, loaded, src)
     results: list[SystemResult] = []
     if workload is not None:
         twin = build_twin(dense, dtype)
@@ -243,19 +258,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # packed weights (rosechat's, llama.cpp's) round differently: near-ties may go either way
         packed = Verifier(twin, PACKED_TOLERANCE)
         warm_prompt = src.take(16)
-        for factory in _runner_factories(args, names, loaded, twin, workload, gguf):
-            runner = factory()
-            _log(f"{runner.name}: {workload.name} ({workload.summary})")
-            runner.warmup(warm_prompt)
-            result = run_workload(runner, workload)
-            del runner  # frees its KV pool before the next system allocates one
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            is_packed = result.name == LLAMA_CPP or (packed_bytes(loaded.model) > 0 and result.name != GENERATE
-                                                     and result.name != CONTINUOUS)
-            _verify(result, packed if is_packed else exact)
-            _log(f"{result.name}: {result.wall_s:.1f} s, outputs {'match' if result.outputs_match else 'DIFFER'}")
-            results.append(result)
+        factories = _runner_factories(args, names, loaded, twin, workload, gguf)
+        # setting by setting, so the systems compared within one run back to back
+        samplings = args.sampling or (tuple(SAMPLINGS) if args.workload in ("chat", "multiturn") else (GREEDY,))
+        for sampling in samplings:
+            for name, make in factories:
+                if sampling != GREEDY and name not in SAMPLED_SYSTEMS:
+                    continue
+                runner = make(sampling)  # a fresh one: no cache carries over from the setting before
+                _log(f"{runner.name} [{sampling}]: {workload.name} ({workload.summary})")
+                runner.warmup(warm_prompt)
+                result = run_workload(runner, workload)
+                del runner  # frees its KV pool before the next system allocates one
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                is_packed = result.name == LLAMA_CPP or (packed_bytes(loaded.model) > 0 and result.name != GENERATE
+                                                         and result.name != CONTINUOUS)
+                _verify(result, packed if is_packed else exact)
+                _log(f"{result.name} [{sampling}]: {result.wall_s:.1f} s, "
+                     f"outputs {'match' if result.outputs_match else 'DIFFER'}")
+                results.append(result)
 
     decode: DecodeReport | None = None
     want_decode = args.decode_overhead if args.decode_overhead is not None else args.workload in ("chat",

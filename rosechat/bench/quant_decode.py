@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rosechat.bench.sampling import SAMPLINGS, SAMPLINGS_LLAMA, describe, sampling_list
 from rosechat.bench.systems import LLAMA_CPP, llama_cpp_available
 
 _CHILD = """
@@ -30,17 +31,6 @@ def _status() -> dict[str, int]:
         return {line.split(":")[0]: int(line.split()[1]) << 10 for line in f if line.startswith(keys)}
 
 
-# Sampling settings as users chat with them, each system given the same (llama.cpp's names in SAMPLINGS_LLAMA)
-SAMPLINGS = {
-    "greedy": {},
-    "app": {"repetition_penalty": 1.1, "repetition_window": 64},  # the app's default (config.toml [sampling])
-    "t0.7-p0.9": {"temperature": 0.7, "top_p": 0.9},
-}
-SAMPLINGS_LLAMA = {  # top_k 0 and min_p 0: off, as ours; repeat_penalty looks at the last 64 tokens (its default)
-    "greedy": {"temp": 0.0, "top_k": 1},
-    "app": {"temp": 0.0, "top_k": 1, "repeat_penalty": 1.1},
-    "t0.7-p0.9": {"temp": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0},
-}
 CHAT_PROMPT = "Write a long story about a dragon who learns to read."
 
 
@@ -225,9 +215,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quantization", default="auto",
                    help="comma-separated: auto (the default: what a user gets), none, int8, int4; X/torch: X "
                    "through torch's kernels, not ours")
-    p.add_argument("--sampling", default=",".join(SAMPLINGS),
-                   help="comma-separated settings: " + ", ".join(f"{k} {v or {'temperature': 0}}"
-                                                                 for k, v in SAMPLINGS.items()))
+    p.add_argument("--sampling", type=sampling_list, default=tuple(SAMPLINGS),
+                   help="comma-separated settings: " + describe())
     p.add_argument("--prompt", default="chat", choices=("chat", "random"),
                    help=f"chat: {CHAT_PROMPT!r} through the model's chat template; random: a repeated text cut to "
                    "--prompt-tokens (the micro-benchmark)")
@@ -248,11 +237,8 @@ def main(argv: list[str]) -> int:
             p.error("--llama-cpp: llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
         modes.append(LLAMA_CPP)
     with neighbour(args.busy):
-        samplings = tuple(args.sampling.split(","))
-        if unknown := set(samplings) - set(SAMPLINGS):
-            p.error(f"--sampling: unknown {sorted(unknown)}; choose from {', '.join(SAMPLINGS)}")
         results = run_decode(args.model, modes, args.threads, args.prompt_tokens,
-                             args.max_tokens, [int(n) for n in args.streams.split(",")], samplings, args.prompt)
+                             args.max_tokens, [int(n) for n in args.streams.split(",")], args.sampling, args.prompt)
     load = os.getloadavg()[0]
     if args.json:
         print(json.dumps({"model": args.model, "load1": load, "busy": args.busy, "results": results}))

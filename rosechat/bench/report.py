@@ -7,7 +7,8 @@ from typing import Any
 
 from rosechat.bench.decode import DecodeReport
 from rosechat.bench.roofline import DecodeRoofline, Machine, ModelCost, decode_roofline
-from rosechat.bench.systems import CONTINUOUS, GENERATE, ROSECHAT, SystemResult
+from rosechat.bench.sampling import GREEDY
+from rosechat.bench.systems import CONTINUOUS, GENERATE, LLAMA_CPP, ROSECHAT, SystemResult
 from rosechat.bench.workloads import Workload
 
 MIB = 1 << 20
@@ -23,9 +24,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def label(res: SystemResult) -> str:
+    """The system, and the sampling setting where not greedy: one row of the tables."""
+    return res.name if res.sampling == GREEDY else f"{res.name} [{res.sampling}]"
+
+
 def system_figures(res: SystemResult) -> dict[str, Any]:
     d: dict[str, Any] = {
         "name": res.name,
+        "sampling": res.sampling,
+        "label": label(res),
         "output_tok_s": res.output_tokens / res.wall_s,
         "total_tok_s": (res.prompt_tokens + res.output_tokens) / res.wall_s,
         "ttft_p50_s": percentile(res.ttfts, 0.5),
@@ -47,17 +55,27 @@ def system_figures(res: SystemResult) -> dict[str, Any]:
 
 
 def _add_ratios(systems: list[dict[str, Any]]) -> None:
-    base = next((s for s in systems if s["name"] == GENERATE), None)
-    if base is None:
-        return
+    """Each system against transformers' generate() (greedy), llama.cpp with the same setting and its own
+    greedy run."""
+    def find(name: str, sampling: str) -> dict[str, Any] | None:
+        return next((s for s in systems if s["name"] == name and s["sampling"] == sampling), None)
+
+    base = find(GENERATE, GREEDY)
     for s in systems:
-        s["vs_generate"] = {
-            k: _ratio(s[k], base[k])
-            for k in ("output_tok_s", "total_tok_s", "ttft_p50_s", "prefill_tokens", "peak_kv_bytes")
-        }
+        if base is not None:
+            s["vs_generate"] = {
+                k: _ratio(s[k], base[k])
+                for k in ("output_tok_s", "total_tok_s", "ttft_p50_s", "prefill_tokens", "peak_kv_bytes")
+            }
+        llama, greedy = find(LLAMA_CPP, s["sampling"]), find(s["name"], GREEDY)
+        if llama is not None and s is not llama:
+            s["output_vs_llama_cpp"] = _ratio(s["output_tok_s"], llama["output_tok_s"])
+        if greedy is not None and s is not greedy:
+            s["output_vs_own_greedy"] = _ratio(s["output_tok_s"], greedy["output_tok_s"])
 
 
-def _targets(systems: dict[str, dict[str, Any]], decode: DecodeReport | None) -> list[dict[str, Any]]:
+def _targets(systems: dict[str, dict[str, Any]], sampled: list[dict[str, Any]],
+             decode: DecodeReport | None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: float | None, limit: float, higher_is_better: bool) -> None:
@@ -74,6 +92,8 @@ def _targets(systems: dict[str, dict[str, Any]], decode: DecodeReport | None) ->
             _ratio(rc["output_tok_s"], cb and cb["output_tok_s"]), 1.5, True)
         add("rosechat peak KV blocks / without sharing",
             _ratio(rc.get("peak_kv_blocks"), rc.get("peak_kv_blocks_without_sharing")), 0.25, False)
+    for s in sampled:  # issue 26: every setting at the speed of greedy
+        add(f"rosechat [{s['sampling']}] output tok/s / rosechat greedy", s.get("output_vs_own_greedy"), 0.95, True)
     for f in decode.figures if decode else []:
         add(f"decode step / model math at {f.num_seqs} seqs", f.ratio, 1.5, False)
     big = max(decode.figures, key=lambda f: f.num_seqs) if decode and decode.figures else None
@@ -95,8 +115,9 @@ def build_report(
 ) -> dict[str, Any]:
     systems = [system_figures(r) for r in results]
     _add_ratios(systems)
-    by_name = {s["name"]: s for s in systems}
-    rc = next((r for r in results if r.name == ROSECHAT), None)
+    by_name = {s["name"]: s for s in systems if s["sampling"] == GREEDY}
+    sampled = [s for s in systems if s["name"] == ROSECHAT and s["sampling"] != GREEDY]
+    rc = next((r for r in results if r.name == ROSECHAT and r.sampling == GREEDY), None)
     workload_roofline = None
     if rc is not None:
         steps = [(s.num_seqs, s.context_tokens, s.total_s) for s in rc.decode_steps]
@@ -128,7 +149,7 @@ def build_report(
                     "turn": k + 1,
                     "new_tokens": sum(len(t.new_tokens) for _, t in workload.round(k)),
                     "prompt_tokens": results[0].round_prompt[k] if results else None,
-                    "prefill_tokens": {r.name: r.round_prefill[k] for r in results},
+                    "prefill_tokens": {label(r): r.round_prefill[k] for r in results},
                 }
                 for k in range(workload.num_rounds)
             ]
@@ -145,7 +166,7 @@ def build_report(
                 "trace": decode.trace_path,
                 "top_self_cpu": [vars(row) for row in decode.profile],
             }
-    report["targets"] = _targets(by_name, decode)
+    report["targets"] = _targets(by_name, sampled, decode)
     return report
 
 
@@ -181,11 +202,11 @@ def render(report: dict[str, Any]) -> str:
         out += [""] + _systems_table(h["systems"])
         bad = [s for s in h["systems"] if not s["outputs_match"]]
         for s in bad:
-            out.append(f"  ! {s['name']}: outputs do not match transformers: {s.get('mismatch', '?')}")
+            out.append(f"  ! {s['label']}: outputs do not match transformers: {s.get('mismatch', '?')}")
     if "turns" in h:
         out += ["", "prefill tokens per turn (new = the turn's user message; a continued conversation also "
                 "computes the previous reply's last token, sampled but never fed back)"]
-        names = [s["name"] for s in h["systems"]]
+        names = [s["label"] for s in h["systems"]]
         rows = [[str(t["turn"]), _fmt(t["new_tokens"], ","), _fmt(t["prompt_tokens"], ",")]
                 + [_fmt(t["prefill_tokens"][n], ",") for n in names] for t in h["turns"]]
         out += _table(rows, ["turn", "new", "prompt", *names])
@@ -218,7 +239,7 @@ def _systems_table(systems: list[dict[str, Any]]) -> list[str]:
         if s.get("peak_kv_blocks_without_sharing") is not None:
             kv_unshared += f" ({s['peak_kv_blocks_without_sharing']} blk)"
         rows.append([
-            s["name"],
+            s["label"],
             _fmt(s["output_tok_s"]),
             _fmt(s["total_tok_s"]),
             _fmt(s["ttft_p50_s"], ".2f"),
@@ -228,11 +249,14 @@ def _systems_table(systems: list[dict[str, Any]]) -> list[str]:
             kv_unshared,
             _fmt(vs.get("output_tok_s"), ".2f") + "x" if vs.get("output_tok_s") else "-",
             _fmt(vs.get("prefill_tokens"), ".2f") + "x" if vs.get("prefill_tokens") else "-",
+            _fmt(s.get("output_vs_llama_cpp"), ".2f") + "x" if s.get("output_vs_llama_cpp") else "-",
+            _fmt(s.get("output_vs_own_greedy"), ".2f") + "x" if s.get("output_vs_own_greedy") else "-",
             _fmt(s["wall_s"]),
             "yes" if s["outputs_match"] else "NO",
         ])
     head = ["system", "out tok/s", "total tok/s", "TTFT p50 s", "TTFT p95 s", "prefill tok",
-            "peak KV MiB", "KV w/o sharing", "out vs gen", "prefill vs gen", "wall s", "match"]
+            "peak KV MiB", "KV w/o sharing", "out vs gen", "prefill vs gen", "out vs llama.cpp", "out vs greedy",
+            "wall s", "match"]
     return _table(rows, head)
 
 

@@ -8,7 +8,8 @@
   reusing the longest prefix it shares with the one before (llama.cpp's own prompt cache).
 
 Each reports its replies with their time to first token (from the round's submission), the prompt
-tokens it actually computed, and its peak KV memory.
+tokens it actually computed, and its peak KV memory. rosechat and llama.cpp also run the sampling settings
+people chat with (`sampling.SAMPLINGS`); the transformers systems and the no-prefix-cache run, greedy only.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from rosechat.bench.probe import StepProbe, StepRecord
+from rosechat.bench.sampling import GREEDY, SAMPLINGS, SAMPLINGS_LLAMA
 from rosechat.bench.workloads import Workload
 
 ROSECHAT, NO_PREFIX_CACHE = "rosechat", "rosechat-no-prefix-cache"
 GENERATE, CONTINUOUS = "transformers-generate", "transformers-continuous-batching"
 LLAMA_CPP = "llama.cpp"
 SYSTEMS = (ROSECHAT, NO_PREFIX_CACHE, GENERATE, CONTINUOUS)  # the default set; llama.cpp joins where installed
+SAMPLED_SYSTEMS = (ROSECHAT, LLAMA_CPP)  # run every sampling setting; the others greedy only
 
 
 class BenchError(RuntimeError):
@@ -44,7 +47,8 @@ class Reply:
 class Runner(ABC):
     name: str
 
-    def __init__(self) -> None:
+    def __init__(self, sampling: str = GREEDY) -> None:
+        self.sampling = sampling  # a name in SAMPLINGS; only SAMPLED_SYSTEMS take another than greedy
         self.reset()
 
     def reset(self) -> None:
@@ -57,7 +61,7 @@ class Runner(ABC):
 
     @abstractmethod
     def generate(self, conversations: list[int], prompts: list[list[int]], max_tokens: list[int]) -> list[Reply]:
-        """Generate a reply to every prompt (greedy, EOS ignored); conversation -1 is a one-off request."""
+        """Generate a reply to every prompt (self.sampling, EOS ignored); conversation -1 is a one-off request."""
 
     def warmup(self, prompt: list[int]) -> None:
         """One small untimed request: first-call costs (allocations, thread pools) stay out of the figures."""
@@ -68,6 +72,7 @@ class Runner(ABC):
 @dataclass
 class SystemResult:
     name: str
+    sampling: str = GREEDY
     wall_s: float = 0.0
     prompt_tokens: int = 0  # every round's prompts, as submitted
     output_tokens: int = 0
@@ -87,7 +92,7 @@ class SystemResult:
 
 def run_workload(runner: Runner, workload: Workload) -> SystemResult:
     n = len(workload.conversations)
-    res = SystemResult(runner.name, streams=[[] for _ in range(n)], generated=[[] for _ in range(n)])
+    res = SystemResult(runner.name, runner.sampling, streams=[[] for _ in range(n)], generated=[[] for _ in range(n)])
     for k in range(workload.num_rounds):
         items = workload.round(k)
         prompts = [res.streams[i] + turn.new_tokens for i, turn in items]
@@ -117,14 +122,14 @@ def run_workload(runner: Runner, workload: Workload) -> SystemResult:
 # ---------------------------------------------------------------------------------------------- rosechat
 class RosechatRunner(Runner):
     def __init__(self, name: str, loaded: Any, engine_options: dict[str, Any], *, prefix_caching: bool,
-                 conversations: bool) -> None:
+                 conversations: bool, sampling: str = GREEDY) -> None:
         config = EngineConfig(model=loaded.name, enable_prefix_caching=prefix_caching, **engine_options)
         self.name = name
         self.engine = LLMEngine(loaded, config)
         self.probe = StepProbe(self.engine)
         self.use_conversations = conversations
         self._conversation_ids: dict[int, str] = {}
-        super().__init__()
+        super().__init__(sampling)
 
     def reset(self) -> None:
         super().reset()
@@ -136,7 +141,7 @@ class RosechatRunner(Runner):
         start = time.perf_counter()
         request_ids = []
         for conv, prompt, m in zip(conversations, prompts, max_tokens):
-            params = SamplingParams(max_tokens=m, ignore_eos=True)
+            params = SamplingParams(max_tokens=m, ignore_eos=True, **SAMPLINGS[self.sampling])
             if self.use_conversations and conv >= 0:
                 if conv not in self._conversation_ids:
                     self._conversation_ids[conv] = engine.start_conversation()
@@ -321,14 +326,13 @@ def llama_cpp_available() -> bool:
 
 class LlamaCppRunner(Runner):
     name = LLAMA_CPP
-
-    def __init__(self, gguf_path: str, threads: int, n_ctx: int) -> None:
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int, sampling: str = GREEDY) -> None:
         from llama_cpp import Llama
 
         self.llm = Llama(model_path=gguf_path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          n_batch=512, verbose=False)
         self._last: list[int] = []  # the tokens in llama.cpp's context after the last request
-        super().__init__()
+        super().__init__(sampling)
 
     def generate(self, conversations: list[int], prompts: list[list[int]], max_tokens: list[int]) -> list[Reply]:
         start = time.perf_counter()
@@ -342,7 +346,7 @@ class LlamaCppRunner(Runner):
             self.prefill_tokens += len(prompt) - shared
             out: list[int] = []
             first = 0.0
-            for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # never stops at EOS
+            for token in self.llm.generate(prompt, reset=True, **SAMPLINGS_LLAMA[self.sampling]):  # never stops at EOS
                 if not out:
                     first = time.perf_counter() - start
                 out.append(token)

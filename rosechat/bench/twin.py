@@ -46,41 +46,73 @@ def build_twin(loaded: Any, dtype: torch.dtype) -> Any:
 
 
 class Verifier:
-    """Checks greedy outputs against the twin: fed a conversation's whole token stream, the twin must
-    score every generated token within TOLERANCE of its best logit. Results are cached, so systems
+    """Checks outputs against the twin: fed a conversation's whole token stream, the twin must score every
+    generated token as the sampling setting allows, within TOLERANCE of the logits: greedy (with or without
+    a repetition penalty) within reach of the best logit; temperature and top-p inside the nucleus, i.e. the
+    tokens that score more than TOLERANCE above it weigh less than top_p. Results are cached, so systems
     that produced the same tokens cost one forward pass."""
 
     def __init__(self, model: Any, tolerance: float = TOLERANCE) -> None:
         self.model = model
         self.tolerance = tolerance
-        self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], str | None] = {}
+        self._cache: dict[tuple, str | None] = {}
 
-    def check(self, tokens: list[int], generated: list[int]) -> str | None:
-        """None if every tokens[p], p in `generated`, is an argmax (within tolerance) of the logits at
-        p - 1; else what went wrong, for the report."""
-        key = (tuple(tokens), tuple(generated))
+    def check(self, tokens: list[int], generated: list[int], sampling: dict[str, Any] | None = None) -> str | None:
+        """None if every tokens[p], p in `generated`, is a choice `sampling` (SamplingParams fields; greedy when
+        empty) allows from the logits at p - 1; else what went wrong, for the report."""
+        key = (tuple(tokens), tuple(generated), tuple(sorted((sampling or {}).items())))
         if key not in self._cache:
-            self._cache[key] = self._check(tokens, generated)
+            self._cache[key] = self._check(tokens, generated, sampling or {})
         return self._cache[key]
 
     @torch.inference_mode()
-    def _check(self, tokens: list[int], generated: list[int]) -> str | None:
+    def _check(self, tokens: list[int], generated: list[int], sampling: dict[str, Any]) -> str | None:
         if not generated:
             return None
+        unknown = set(sampling) - {"repetition_penalty", "repetition_window", "temperature", "top_p"}
+        if unknown:
+            raise ValueError(f"the check does not know {sorted(unknown)}")
         end = max(generated)
         dev = self.model.device
         hidden = self.model.base_model(input_ids=torch.tensor([tokens[:end]], device=dev)).last_hidden_state[0]
         rows = torch.tensor([p - 1 for p in generated], device=dev)
         logits = self.model.get_output_embeddings()(hidden[rows]).float()
+        if sampling.get("repetition_penalty", 1.0) != 1.0:
+            logits = self._penalised(logits, tokens, generated, sampling["repetition_penalty"],
+                                     sampling.get("repetition_window"))
         chosen_ids = torch.tensor([tokens[p] for p in generated], device=dev)
         chosen = logits.gather(1, chosen_ids[:, None])[:, 0]
         best, best_ids = logits.max(dim=-1)
-        gap = best - chosen
-        bad = (gap > self.tolerance).nonzero()
+        temperature = sampling.get("temperature", 0.0)
+        if temperature == 0.0:
+            gap = best - chosen
+            bad = (gap > self.tolerance).nonzero()
+            why = lambda i: f"scores {float(gap[i]):.3g} below the best ({int(best_ids[i])})"  # noqa: E731
+        else:
+            probs = (logits / temperature).softmax(dim=-1)
+            above = (probs * (logits > (chosen + self.tolerance)[:, None])).sum(dim=-1)
+            top_p = sampling.get("top_p", 1.0)
+            bad = (above >= top_p).nonzero()
+            why = lambda i: f"is outside the top-p {top_p} nucleus ({float(above[i]):.3f} of the mass scores more)"  # noqa: E731
         if bad.numel() == 0:
             return None
         i = int(bad[0, 0])
-        return (
-            f"token {generated[i]} (#{i} of {len(generated)} generated): chose {int(chosen_ids[i])}, which scores "
-            f"{float(gap[i]):.3g} below the best ({int(best_ids[i])}); {bad.shape[0]} such token(s)"
-        )
+        return (f"token {generated[i]} (#{i} of {len(generated)} generated): chose {int(chosen_ids[i])}, which "
+                f"{why(i)}; {bad.shape[0]} such token(s)")
+
+    @staticmethod
+    def _penalised(logits: torch.Tensor, tokens: list[int], generated: list[int], penalty: float,
+                   window: int | None) -> torch.Tensor:
+        """HF's repetition penalty over what the engine looks at: with a window, the last `window` tokens of the
+        reply so far (a reply is a run of generated positions); without, every token before."""
+        out = logits.clone()
+        reply_start = 0
+        for row, p in enumerate(generated):
+            if row == 0 or generated[row - 1] != p - 1:
+                reply_start = p
+            seen = tokens[:p] if window is None else tokens[max(reply_start, p - window) : p]
+            if seen:
+                ids = torch.tensor(sorted(set(seen)), device=logits.device)
+                v = out[row, ids]
+                out[row, ids] = torch.where(v > 0, v / penalty, v * penalty)
+        return out

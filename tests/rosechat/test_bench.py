@@ -45,13 +45,15 @@ def test_chat_json_matches_and_shares_the_system_prompt(tiny: Path, tmp_path: Pa
     report = run_bench(
         capsys, "chat", "--model", str(tiny),
         "--conversations", str(c["conversations"]), "--system-tokens", str(c["system_tokens"]),
-        "--user-tokens", str(c["user_tokens"]), "--max-tokens", str(c["max_tokens"]),
+        "--user-tokens", str(c["user_tokens"]), "--max-tokens", str(c["max_tokens"]), "--sampling", "greedy",
         "--decode-batches", "2,4", "--decode-context", "20", "--decode-steps", "2", "--profile", str(tmp_path),
     )
     assert report["workload"] == "chat" and report["model"] == "tiny" and report["threads"] == 1
     systems = {s["name"]: s for s in report["systems"]}
     assert list(systems) == [ROSECHAT, NO_PREFIX_CACHE, GENERATE, CONTINUOUS]
-    prompt_len = c["system_tokens"] + c["user_tokens"]
+    # the chat template wraps the system prompt and the user message in its markers
+    prompt_len = systems[NO_PREFIX_CACHE]["prompt_tokens"] // c["conversations"]
+    assert prompt_len > c["system_tokens"] + c["user_tokens"]
     for name, s in systems.items():
         for key, kind in SYSTEM_KEYS.items():
             assert isinstance(s[key], kind), (name, key, s[key])
@@ -93,13 +95,14 @@ def test_multiturn_prefills_only_what_each_turn_adds(tiny: Path, capsys) -> None
     report = run_bench(
         capsys, "multiturn", "--model", str(tiny), "--systems", f"{ROSECHAT},{NO_PREFIX_CACHE},{GENERATE}",
         "--conversations", str(convs), "--turns", str(turns), "--system-tokens", "40", "--user-tokens", str(user),
-        "--max-tokens", "5",
+        "--max-tokens", "5", "--sampling", "greedy",
     )
     assert all(s["outputs_match"] for s in report["systems"])
     later = report["turns"][1:]
     assert [t["turn"] for t in later] == list(range(2, turns + 1))
     for t in later:
-        assert t["new_tokens"] == convs * user
+        # the user message and the template's markers around it (end of the reply, the next assistant turn)
+        assert t["new_tokens"] > convs * user
         # the parked conversation computes its new message plus the last reply token, never fed back
         assert t["prefill_tokens"][ROSECHAT] == t["prefill_tokens"][NO_PREFIX_CACHE] == t["new_tokens"] + convs
         assert t["prefill_tokens"][GENERATE] == t["prompt_tokens"]  # the whole history, again
@@ -118,6 +121,67 @@ def test_verifier_rejects_a_token_that_is_not_the_argmax(tiny: Path) -> None:
     assert verifier.check(prompt + [best], [len(prompt)]) is None
     problem = verifier.check(prompt + [worst], [len(prompt)])
     assert problem is not None and f"chose {worst}" in problem
+
+
+def test_verifier_checks_the_setting_that_ran(tiny: Path) -> None:
+    """A repetition penalty and a nucleus change which tokens are allowed: the check follows the setting."""
+    from engine.loader import load_model
+
+    twin = build_twin(load_model(str(tiny)), torch.float32)
+    verifier = Verifier(twin)
+    prompt = [10, 20, 30, 40]
+    with torch.no_grad():
+        logits = twin(torch.tensor([prompt])).logits[0, -1]
+    order = logits.argsort(descending=True).tolist()
+    best, second = order[0], order[1]
+    # the best token was already generated (it is in the reply's window): a heavy penalty makes it lose
+    tokens, generated = prompt + [best, best], [4, 5]
+    heavy = {"repetition_penalty": 1e6, "repetition_window": 64}
+    assert verifier.check(prompt + [best], [4], heavy) is None  # nothing of the reply seen yet
+    problem = verifier.check(tokens, generated, heavy)
+    assert problem is not None and "#1 of 2" in problem
+    with torch.no_grad():
+        penalised = twin(torch.tensor([prompt + [best]])).logits[0, -1]
+    v = penalised[best]
+    penalised[best] = v / 1e6 if v > 0 else v * 1e6
+    assert verifier.check(prompt + [best, int(penalised.argmax())], generated, heavy) is None
+    # what the penalty looks at, as the engine: with a window, the reply so far (runs of generated positions)
+    # within the window; without, the prompt too
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    rows = torch.ones(3, 10)
+    windowed = Verifier._penalised(rows, tokens, [4, 5, 7], 2.0, window=1)
+    assert windowed[0].tolist() == [1.0] * 10  # position 4 starts the reply: nothing seen
+    assert (windowed[1] == 0.5).nonzero().flatten().tolist() == [5]
+    assert (windowed[2] == 1.0).all()  # 7 starts another reply (6 was not generated)
+    everything = Verifier._penalised(rows, tokens, [4], 2.0, window=None)
+    assert (everything[0] == 0.5).nonzero().flatten().tolist() == [1, 2, 3, 4]
+    # nucleus: the second-best token is inside a wide nucleus, outside one only the best fills
+    probs = (logits / 0.7).softmax(-1)
+    wide = {"temperature": 0.7, "top_p": min(1.0, float(probs[best]) + 1e-3)}
+    narrow = {"temperature": 0.7, "top_p": float(probs[best]) * 0.5}
+    assert verifier.check(prompt + [second], [4], wide) is None
+    assert "outside the top-p" in (verifier.check(prompt + [second], [4], narrow) or "")
+    assert verifier.check(prompt + [best], [4], narrow) is None  # the top token is always in
+
+
+def test_chat_runs_every_sampling_setting_for_rosechat(tiny: Path, capsys) -> None:
+    report = run_bench(capsys, "chat", "--model", str(tiny), "--systems", f"{ROSECHAT},{NO_PREFIX_CACHE},{GENERATE}",
+                       "--conversations", "2", "--system-tokens", "24", "--user-tokens", "8", "--max-tokens", "6",
+                       "--no-decode-overhead")
+    rows = [(s["name"], s["sampling"]) for s in report["systems"]]
+    # the transformers systems and the no-prefix-cache run greedy only
+    assert rows == [(ROSECHAT, "greedy"), (NO_PREFIX_CACHE, "greedy"), (GENERATE, "greedy"),
+                    (ROSECHAT, "app"), (ROSECHAT, "t0.7-p0.9")]
+    greedy = report["systems"][0]
+    for s in report["systems"]:
+        assert s["outputs_match"], s
+        assert s["output_tokens"] == 2 * 6 and s["prompt_tokens"] == greedy["prompt_tokens"]
+    for s in report["systems"][3:]:
+        assert s["label"] == f"rosechat [{s['sampling']}]"
+        assert s["output_vs_own_greedy"] == pytest.approx(s["output_tok_s"] / greedy["output_tok_s"])
+    targets = {t["name"] for t in report["targets"]}
+    assert {"rosechat [app] output tok/s / rosechat greedy", "rosechat [t0.7-p0.9] output tok/s / rosechat greedy"} \
+        <= targets
 
 
 def test_probe_block_counters_equal_the_cache_snapshot(tiny: Path) -> None:
@@ -166,7 +230,8 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_chat_with_packed_weights_against_the_dense_model(tiny_gguf: Path, capsys) -> None:
     """--quantization: rosechat runs the packed weights, transformers the dense ones; the roofline
     counts the bytes a step streams (the packed ones)."""
-    argv = ["chat", "--model", str(tiny_gguf), "--systems", f"{ROSECHAT},{GENERATE}", "--no-llama-cpp",
+    argv = ["chat", "--model", str(tiny_gguf), "--systems", f"{ROSECHAT},{GENERATE}", "--no-llama-cpp", "--sampling",
+            "greedy",
             "--conversations", "2", "--system-tokens", "32", "--user-tokens", "8", "--max-tokens", "5",
             "--decode-batches", "1", "--decode-context", "16", "--decode-steps", "2"]
     packed = run_bench(capsys, *argv)  # the default: what a user gets, the file's blocks kept packed
@@ -190,9 +255,15 @@ def test_llama_cpp_joins_the_chat_workload_on_a_gguf_file(tiny_gguf: Path, capsy
     report = run_bench(capsys, "chat", "--model", str(tiny_gguf), "--systems", f"{ROSECHAT},{GENERATE}",
                        "--llama-cpp", "--quantization", "auto", "--conversations", "2", "--system-tokens", "32",
                        "--user-tokens", "8", "--max-tokens", "5", "--no-decode-overhead")
-    systems = {s["name"]: s for s in report["systems"]}
-    assert list(systems) == [ROSECHAT, GENERATE, LLAMA_CPP]
-    cpp = systems[LLAMA_CPP]
-    assert cpp["output_tokens"] == 2 * 5 and cpp["outputs_match"], cpp
+    rows = {(s["name"], s["sampling"]): s for s in report["systems"]}
+    # every setting: rosechat and llama.cpp side by side; generate() greedy only
+    assert list(rows) == [(ROSECHAT, "greedy"), (GENERATE, "greedy"), (LLAMA_CPP, "greedy"),
+                          (ROSECHAT, "app"), (LLAMA_CPP, "app"), (ROSECHAT, "t0.7-p0.9"), (LLAMA_CPP, "t0.7-p0.9")]
+    for (name, sampling), s in rows.items():
+        assert s["output_tokens"] == 2 * 5 and s["outputs_match"], s
+        if name == ROSECHAT:
+            peer = rows[LLAMA_CPP, sampling]["output_tok_s"]
+            assert s["output_vs_llama_cpp"] == pytest.approx(s["output_tok_s"] / peer)
+    cpp = rows[LLAMA_CPP, "greedy"]
     # the second conversation reuses the shared system prompt from llama.cpp's context
-    assert cpp["prefill_tokens"] < 2 * (32 + 8)
+    assert cpp["prefill_tokens"] < cpp["prompt_tokens"]
