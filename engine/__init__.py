@@ -3,27 +3,30 @@
 The public API; the TUI and the benchmarks use nothing else.
 """
 
+from engine.block_manager import block_hash, chain_root  # the prefix cache's block names (the bench times them)
 from engine.config import EngineConfig
 from engine.conversations import LLMEngine
 from engine.core import ContextLengthError, EngineInfo, RequestError, StepStats
 from engine.defaults import Defaults, cpu_model, kernel_status
 from engine.defaults import resolve as resolve_defaults
 from engine.engine_thread import EngineThread
-from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, TurnPreempted, TurnStarted, Usage
-from engine.gguf_file import GGUFError
-from engine.loader import (
-    PACKAGED_MODELS,
-    LoadedModel,
-    ModelNotFoundError,
-    ModelSource,
-    generation_defaults,
-    load_model,
-    resolve_model,
+from engine.events import (
+    CacheSnapshot,
+    EngineError,
+    Finished,
+    TokenDelta,
+    TokenLogprob,
+    TurnPreempted,
+    TurnStarted,
+    Usage,
 )
 from engine.models.layers import linear  # the models' linear op (the bench measures its routes)
 from engine.output_processor import CompletionOutput, RequestOutput
-from engine.quant import matmul_weight_cost, packed_bytes
 from engine.sequence import SamplingParams
+from engine.weights.gguf import GGUFError
+from engine.weights.loader import LoadedModel, load_model
+from engine.weights.packing import matmul_weight_cost, packed_bytes
+from engine.weights.source import PACKAGED_MODELS, ModelNotFoundError, ModelSource, generation_defaults, resolve_model
 
 __all__ = [
     "CacheSnapshot",
@@ -46,6 +49,9 @@ __all__ = [
     "SamplingParams",
     "StepStats",
     "TokenDelta",
+    "TokenLogprob",
+    "block_hash",
+    "chain_root",
     "TurnPreempted",
     "TurnStarted",
     "Usage",

@@ -3,13 +3,34 @@ live in the model runner's pool, which does the copy-on-write copies queued in `
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from engine.events import CACHED, FREE, USED
 from engine.sequence import Sequence
 
-_ROOT_HASH = 0x5EED  # parent hash of a sequence's first block
+# The prefix cache names a full block by a cryptographic chain hash of every token up to its end, from a root
+# drawn at random per process: nobody can compute offline two prompts whose blocks collide, so one client can
+# neither read nor poison another's cached KV (vLLM's CVE-2025-25183 came from Python's unkeyed hash()).
+_PROCESS_ROOT = os.urandom(32)
+
+
+@lru_cache(maxsize=1024)
+def chain_root(cache_salt: str | None) -> bytes:
+    """Parent hash of a sequence's first block: a salt (vLLM's `cache_salt`) starts a chain of its own, so only
+    requests with the same salt share blocks."""
+    if cache_salt is None:
+        return _PROCESS_ROOT
+    return hashlib.blake2b(cache_salt.encode(), key=_PROCESS_ROOT, digest_size=32).digest()
+
+
+def block_hash(parent: bytes, tokens: Tokens[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=32).digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -20,10 +41,7 @@ def cdiv(a: int, b: int) -> int:
 class Block:
     block_id: int
     ref_count: int = 0
-    # Chain hash of (parent block's hash, this block's tokens), set once the block is full.
-    hash: int | None = None
-    parent_hash: int | None = None
-    token_ids: tuple[int, ...] = ()  # the full block's tokens: checked on a hit, so a collision is a miss
+    hash: bytes | None = None  # chain hash of the tokens up to its end (see block_hash), set once it is full
 
 
 @dataclass
@@ -33,7 +51,7 @@ class AllocationPlan:
     hits: list[int]  # cached block ids, in order, to append to the block table
     num_hits_from_free: int  # of those, how many sit in the free list (taking them costs free blocks)
     num_new_blocks: int  # fresh blocks for the rest, copy-on-write included
-    miss_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks it will compute
+    miss_hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks it will compute
 
     @property
     def num_free_needed(self) -> int:
@@ -48,11 +66,11 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))  # free, holding no cached prefix
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # free but cached, LRU first
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.holders: dict[int, Sequence] = {}  # seq_id -> sequence holding blocks (for snapshots)
         # Full blocks some admitted sequence is about to compute: hash -> seq_id. A waiting sequence
         # whose next block is among them waits a step and then hits the cache instead of recomputing.
-        self.pending: dict[int, int] = {}
+        self.pending: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, done by the runner
         self.cow_copies = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -74,8 +92,7 @@ class BlockManager:
     def _uncache(self, block: Block) -> None:
         if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
-        block.hash = block.parent_hash = None
-        block.token_ids = ()
+        block.hash = None
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -88,8 +105,16 @@ class BlockManager:
                 self._uncache(block)
                 self.free_ids.append(block_id)
 
-    def _parent_hash(self, seq: Sequence, index: int) -> int | None:
-        return _ROOT_HASH if index == 0 else self.blocks[seq.block_table[index - 1]].hash
+    def block_hash(self, seq: Sequence, j: int) -> bytes:
+        """The chain hash of seq's full block j, computed once per block and kept on the sequence (a waiting
+        sequence is planned every step)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) <= j:
+            k = len(hashes)
+            assert (k + 1) * bs <= len(seq), f"block {k} of {seq} is not full"
+            hashes.append(block_hash(hashes[-1] if hashes else chain_root(seq.cache_salt),
+                                     seq.token_ids[k * bs : (k + 1) * bs]))
+        return hashes[j]
 
     def plan(self, seq: Sequence) -> AllocationPlan:
         """Blocks needed to hold all of seq's tokens, after prefix-cache hits (nothing taken yet)."""
@@ -100,20 +125,14 @@ class BlockManager:
         # Look up full blocks past what is computed; the last token is always computed (it
         # yields the logits), so at most (len - 1) // bs blocks can come from the cache.
         if self.enable_prefix_caching and seq.num_computed_tokens == n_tables * bs:
-            parent = self._parent_hash(seq, n_tables)
             for j in range(n_tables, (len(seq) - 1) // bs):
-                if parent is None:
-                    break
-                tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
-                h = hash((parent, tokens))
+                h = self.block_hash(seq, j)
                 block_id = None if misses else self.hash_to_block.get(h)
-                block = None if block_id is None else self.blocks[block_id]
-                if block is not None and block.token_ids == tokens and block.parent_hash == parent:
+                if block_id is not None:
                     hits.append(block_id)
-                    from_free += block.ref_count == 0
-                else:  # a collision is a miss too; every block after a miss is computed
+                    from_free += self.blocks[block_id].ref_count == 0
+                else:  # every block after a miss is computed
                     misses.append(h)
-                parent = h  # a hit's hash too
         new = cdiv(len(seq), bs) - n_tables - len(hits)
         cow = self._needs_cow(seq, seq.num_computed_tokens + len(hits) * bs)
         return AllocationPlan(hits, from_free, new + cow, misses)
@@ -171,12 +190,9 @@ class BlockManager:
         bs = self.block_size
         for j in range(old_computed // bs, seq.num_computed_tokens // bs):
             block = self.blocks[seq.block_table[j]]
-            parent = self._parent_hash(seq, j)
-            if block.hash is not None or parent is None:
+            if block.hash is not None:
                 continue
-            block.parent_hash = parent
-            block.token_ids = tuple(seq.token_ids[j * bs : (j + 1) * bs])
-            block.hash = hash((parent, block.token_ids))
+            block.hash = self.block_hash(seq, j)
             if self.pending.get(block.hash) == seq.seq_id:
                 del self.pending[block.hash]
             # An identical block already cached stays the canonical one; this one still
@@ -198,6 +214,8 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent's computed tokens: zero-copy."""
         keep = cdiv(parent.num_computed_tokens, self.block_size)
+        child.cache_salt = parent.cache_salt  # child: a copy of parent's tokens, so the same chain hashes
+        child.block_hashes = parent.block_hashes[: len(child) // self.block_size]
         child.block_table = parent.block_table[:keep]
         child.num_computed_tokens = parent.num_computed_tokens
         for block_id in child.block_table:
@@ -209,6 +227,7 @@ class BlockManager:
         """Cut seq to its first num_tokens tokens, releasing the blocks past them."""
         num_tokens = min(num_tokens, len(seq))
         del seq.token_ids[num_tokens:]
+        del seq.block_hashes[num_tokens // self.block_size :]
         seq.num_prompt_tokens = min(seq.num_prompt_tokens, num_tokens)
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         self._release_from(seq, cdiv(seq.num_computed_tokens, self.block_size))

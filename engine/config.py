@@ -16,7 +16,7 @@ _CUDA_KV_FRACTION = 0.8  # of free device memory after loading the weights
 class EngineConfig:
     model: str = "demo"
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (engine/defaults.py resolves auto)
-    quantization: str = "auto"  # auto | none | int8 | int4: weights kept packed on the CPU (engine/quant.py)
+    quantization: str = "auto"  # auto | none | int8 | int4: weights kept packed on the CPU (engine/weights/packing.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | triton
     block_size: int = 16

@@ -10,8 +10,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import ContextLengthError, EngineCore, RequestError
-from engine.loader import ModelSource, Progress, Stages, load_model
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from engine.weights.loader import Progress, Stages, load_model
+from engine.weights.source import ModelSource
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Conversation:
     seqs: list[Sequence] = field(default_factory=list)  # parked alternatives, or the current turn's
     request_id: str | None = None  # the turn being generated
     dropped: int = 0  # oldest messages left out last turn (the window only moves forward)
+    cache_salt: str | None = None  # its sequences share prefix-cache blocks only with this salt's
     texts: dict[int, Spelled] = field(default_factory=dict)  # seq_id -> what it spells
 
 
@@ -81,11 +83,11 @@ class LLMEngine(EngineCore):
                 return seq.token_ids[:n] + rest, text
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
-    def start_conversation(self, conversation_id: str | None = None) -> str:
+    def start_conversation(self, conversation_id: str | None = None, *, cache_salt: str | None = None) -> str:
         cid = conversation_id or f"conv-{next(self._ids)}"
         if cid in self.conversations:
             raise RequestError(f"conversation {cid!r} already exists")
-        self.conversations[cid] = Conversation(cid)
+        self.conversations[cid] = Conversation(cid, cache_salt=cache_salt)
         return cid
 
     def _conversation(self, cid: str) -> Conversation:
@@ -117,7 +119,7 @@ class LLMEngine(EngineCore):
         if clamped:  # a long chat still gets a reply: as long as the context leaves room for
             params = dataclasses.replace(params, max_tokens=room)
         self._validate(tokens, params)
-        if not conv.seqs and (donor := self._prefix_donor(tokens)) is not None:
+        if not conv.seqs and (donor := self._prefix_donor(tokens, conv.cache_salt)) is not None:
             # A new conversation that starts like a parked one (the same system prompt) shares its blocks, the
             # partly filled last one too (copied on write): a short system prompt fits in less than one block.
             child = Sequence(donor.token_ids)
@@ -131,7 +133,7 @@ class LLMEngine(EngineCore):
             if seq is not best:
                 self.scheduler.release(seq)
         if best is None:
-            best = Sequence(tokens)
+            best = Sequence(tokens, cache_salt=conv.cache_salt)
         else:
             # Drop what the new history does not share (an edit, a re-rendered template, the
             # alternatives not chosen); keep at least the last token to compute.
@@ -146,13 +148,14 @@ class LLMEngine(EngineCore):
         conv.dropped = dropped
         return request_id
 
-    def _prefix_donor(self, tokens: list[int]) -> Sequence | None:
-        """The parked sequence whose computed tokens share the longest prefix with `tokens`, if
-        that reaches into a block the prefix cache cannot give (a partly filled or uncached one)."""
+    def _prefix_donor(self, tokens: list[int], cache_salt: str | None) -> Sequence | None:
+        """The parked sequence of the same cache salt whose computed tokens share the longest prefix with
+        `tokens`, if that reaches into a block the prefix cache cannot give (a partly filled or uncached one)."""
         if not self.config.enable_prefix_caching:
             return None
         shared = lambda s: common_prefix_len(s.token_ids[: s.num_computed_tokens], tokens[:-1])
-        best = max(self.scheduler.parked.values(), key=shared, default=None)
+        same_salt = (s for s in self.scheduler.parked.values() if s.cache_salt == cache_salt)
+        best = max(same_salt, key=shared, default=None)
         enough = max(1, self.block_manager.block_size // 2)  # less is not worth a copy
         return best if best is not None and shared(best) >= enough else None
 
@@ -186,7 +189,7 @@ class LLMEngine(EngineCore):
     def fork_conversation(self, conversation_id: str, new_id: str | None = None) -> str:
         """A new conversation sharing every computed block of the source: zero-copy."""
         src = self._conversation(conversation_id)
-        cid = self.start_conversation(new_id)
+        cid = self.start_conversation(new_id, cache_salt=src.cache_salt)
         conv = self.conversations[cid]
         conv.dropped = src.dropped
         for parent in src.seqs:
@@ -229,7 +232,7 @@ class LLMEngine(EngineCore):
     def _failed(self, group: SequenceGroup) -> None:
         conv = self.conversations.get(group.conversation_id)
         if conv is not None:  # it recomputes from the prompt next turn
-            conv.seqs = [Sequence(group.seqs[0].token_ids[: group.prompt_len])]
+            conv.seqs = [Sequence(group.seqs[0].token_ids[: group.prompt_len], cache_salt=conv.cache_salt)]
             conv.seqs[0].status = SequenceStatus.PARKED
             conv.texts = {}
 

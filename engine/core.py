@@ -17,12 +17,12 @@ import torch
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
 from engine.events import CacheSnapshot
-from engine.loader import LoadedModel, Stages
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
-from engine.sampler import Sampler, SamplingTensors, argmax, make_generator
+from engine.sampler import Sampler, SamplingTensors, argmax, make_generator, token_logprobs
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from engine.weights.loader import LoadedModel, Stages
 from kernels.cpu import ops as cpu_ops
 
 log = logging.getLogger(__name__)
@@ -170,19 +170,21 @@ class EngineCore:
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-        *, conversation_id: str | None = None, seq: Sequence | None = None,
+        *, conversation_id: str | None = None, seq: Sequence | None = None, cache_salt: str | None = None,
     ) -> str:  # fmt: skip
-        """Queue a request; `seq` (a conversation's parked sequence) is reused with its blocks."""
+        """Queue a request; `seq` (a conversation's parked sequence) is reused with its blocks. `cache_salt`:
+        the prompt's KV is shared only with requests of the same salt (a new sequence's; `seq` has its own)."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seq = seq or Sequence(self.encode(prompt))
+        seq = seq or Sequence(self.encode(prompt), cache_salt=cache_salt)
         self._validate(seq.token_ids, params)
         group = SequenceGroup(request_id, [seq], params, conversation_id=conversation_id, prompt_len=len(seq))
         seq.group, seq.index, seq.owner = group, 0, conversation_id or request_id
         seq.num_prompt_tokens, seq.finish_reason, seq.finish_time, seq.generator = len(seq), None, None, None
         seq.detokenizer, seq.pending_text = None, ""  # a parked sequence's last turn is done with
+        seq.logprobs, seq.logprobs_sent = [], 0
         self.groups[request_id] = group
         self.scheduler.add(seq)
         return request_id
@@ -249,14 +251,21 @@ class EngineCore:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         params = [s.group.params for s in seqs]
-        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
-            return argmax(logits).tolist()  # all greedy, the bench's case: no parameter tensors to build
-        for s, p in zip(seqs, params):  # a seeded sample's own stream, from its first token on
-            if s.generator is None and not p.greedy and p.seed is not None:
-                s.generator = make_generator(p.seed, s.index, self.runner.device)
-        st = SamplingTensors.build(params, [s.generator for s in seqs], logits.device)
-        seen = [_penalised(s) for s in seqs] if any(p.repetition_penalty != 1.0 for p in params) else None
-        return self.sampler(logits, st, seen).tolist()
+        penalised = any(p.repetition_penalty != 1.0 for p in params)
+        seen = [_penalised(s) for s in seqs] if penalised else None
+        if all(p.greedy for p in params) and not penalised:
+            tokens = argmax(logits)  # all greedy, the bench's case: no parameter tensors to build
+        else:
+            for s, p in zip(seqs, params):  # a seeded sample's own stream, from its first token on
+                if s.generator is None and not p.greedy and p.seed is not None:
+                    s.generator = make_generator(p.seed, s.index, self.runner.device)
+            st = SamplingTensors.build(params, [s.generator for s in seqs], logits.device)
+            tokens = self.sampler(logits, st, seen)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if rows:  # only the rows that asked: the others pay nothing
+            for i, lp in zip(rows, token_logprobs(logits, rows, tokens, params, seen)):
+                seqs[i].logprobs.append(lp)
+        return tokens.tolist()
 
     def _update(self, seqs: list[Sequence], tokens: list[int]) -> None:
         self._recent.append((time.monotonic(), len(tokens)))

@@ -25,6 +25,7 @@ from engine.sequence import SamplingParams
 @dataclass(frozen=True)
 class StartConversation:
     conversation_id: str
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,10 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
-    def new_conversation(self) -> str:
+    def new_conversation(self, cache_salt: str | None = None) -> str:
+        """A conversation id, usable at once; `cache_salt`: its KV is shared only with conversations of that salt."""
         cid = f"conv-{next(self._ids)}"
-        self._commands.put(StartConversation(cid))
+        self._commands.put(StartConversation(cid, cache_salt))
         return cid
 
     def submit_turn(self, conversation_id: str, messages: list[dict[str, str]], params: SamplingParams) -> str:
@@ -184,8 +186,8 @@ class EngineThread:
                 case Snapshot():
                     self._emit(eng.cache_snapshot())
                     return False
-                case StartConversation(conversation_id=c):
-                    eng.start_conversation(c)
+                case StartConversation(conversation_id=c, cache_salt=salt):
+                    eng.start_conversation(c, cache_salt=salt)
                 case SubmitTurn(conversation_id=c, messages=messages, params=params, request_id=r):
                     if c not in eng.conversations:
                         eng.start_conversation(c)

@@ -94,6 +94,16 @@ class TokenDelta:
     conversation_id: str | None
     index: int  # which sample of the request (0..n-1)
     text: str  # new text since the last delta (never a broken UTF-8 character)
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens sampled since the last delta, when asked for
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and the most likely tokens' at that step, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,7 @@ class Finished:
     # per sample (an alternative is judged by its own figures, not the group's)
     sample_tokens: tuple[int, ...] = ()
     sample_tokens_per_s: tuple[float, ...] = ()
+    logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None  # per sample, when asked for
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.events import EngineError, Event, Finished, TokenDelta, Usage
+from engine.events import EngineError, Event, Finished, TokenDelta, TokenLogprob, Usage
 from engine.sequence import Sequence, SequenceGroup
 
 
@@ -16,6 +16,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
 
 
 @dataclass
@@ -26,6 +27,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     deltas: list[tuple[int, str]] = field(default_factory=list)  # (sample index, new text) this step
+    delta_logprobs: list[tuple[TokenLogprob, ...]] = field(default_factory=list)  # per delta, when asked for
     usage: Usage | None = None
     ttft_s: float = 0.0
     total_s: float = 0.0
@@ -61,16 +63,21 @@ class OutputProcessor:
         return d.text, d.stopped
 
     def output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
-        deltas = [(s.index, s.pending_text) for s in group.seqs if s.pending_text]  # group.seqs are in index order
+        # a delta with new text, or with new logprobs (a token whose text is held back has its logprob)
+        sending = [s for s in group.seqs if s.pending_text or s.logprobs_sent < len(s.logprobs)]  # in index order
+        deltas = [(s.index, s.pending_text) for s in sending]
+        delta_logprobs = [tuple(s.logprobs[s.logprobs_sent :]) for s in sending]
         for s in group.seqs:
-            s.pending_text = ""
+            s.pending_text, s.logprobs_sent = "", len(s.logprobs)
         rid, cid = group.request_id, group.conversation_id
+        asked = group.params.logprobs is not None
         outputs = [CompletionOutput(s.index, s.detokenizer.text if s.detokenizer is not None else "",
-                                    s.output_token_ids, s.finish_reason) for s in group.seqs]  # fmt: skip
+                                    s.output_token_ids, s.finish_reason, list(s.logprobs) if asked else None)
+                   for s in group.seqs]  # fmt: skip
         out = RequestOutput(
             request_id=rid, conversation_id=cid, prompt_token_ids=group.seqs[0].token_ids[: group.prompt_len],
-            outputs=outputs, finished=finished, deltas=deltas, error=group.error,
-            events=[TokenDelta(rid, cid, index, text) for index, text in deltas],
+            outputs=outputs, finished=finished, deltas=deltas, delta_logprobs=delta_logprobs, error=group.error,
+            events=[TokenDelta(rid, cid, index, text, lps) for (index, text), lps in zip(deltas, delta_logprobs)],
         )  # fmt: skip
         if finished:
             self._finalise(out, group)
@@ -98,4 +105,5 @@ class OutputProcessor:
             ttft_s=out.ttft_s, total_s=out.total_s, tokens_per_s=out.tokens_per_s,
             sample_tokens=tuple(len(o.token_ids) for o in out.outputs),
             sample_tokens_per_s=tuple(out.sample_tokens_per_s),
+            logprobs=None if group.params.logprobs is None else tuple(tuple(o.logprobs or ()) for o in out.outputs),
         ))  # fmt: skip

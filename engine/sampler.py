@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.events import TokenLogprob
 from engine.sequence import SamplingParams
 from kernels.cpu import ops as cpu_ops
 
@@ -192,3 +193,24 @@ class Sampler:
         cum = probs.double().cumsum(dim=-1)
         target = (u * cum[:, -1])[:, None]
         return torch.searchsorted(cum, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+
+
+def token_logprobs(logits: Tensor, rows: list[int], tokens: Tensor, params: list[SamplingParams],
+                   seen_token_ids: list[list[int]] | None) -> list[TokenLogprob]:
+    """For the rows that asked: the sampled token's log-probability under the distribution sampled from
+    (vLLM's "processed" logprobs: after the repetition penalty and the temperature; before top-k/top-p/min-p,
+    which only cut its tail), and the row's k most likely tokens. Greedy rows: temperature 1."""
+    index = torch.tensor(rows, device=logits.device)
+    x = logits.index_select(0, index).float()
+    ps = [params[i] for i in rows]
+    if seen_token_ids is not None and any(p.repetition_penalty != 1.0 for p in ps):
+        penalties = torch.tensor([p.repetition_penalty for p in ps], device=x.device)
+        x = apply_repetition_penalty(x, [seen_token_ids[i] for i in rows], penalties)
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=x.device)
+    lp = torch.log_softmax(x / temps[:, None], dim=-1)
+    chosen = lp.gather(1, tokens.index_select(0, index).to(torch.int64)[:, None])[:, 0].tolist()
+    k = max(p.logprobs or 0 for p in ps)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprob(int(tokens[r]), chosen[j], tuple(zip(top_i[j][: p.logprobs], top_v[j][: p.logprobs])))
+            for j, (r, p) in enumerate(zip(rows, ps))]

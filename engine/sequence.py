@@ -8,10 +8,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.events import TokenLogprob
+
 if TYPE_CHECKING:
     import torch
 
     from engine.detokenizer import IncrementalDetokenizer
+
+
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass
@@ -30,6 +35,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no logprobs; k >= 0: each sampled token's log-probability and the k most likely tokens' (the
+    # distribution sampled from: after the repetition penalty and temperature, before top-k/top-p/min-p)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         w = self.repetition_window
@@ -42,6 +50,8 @@ class SamplingParams:
             (self.top_k >= 0, "top_k must be >= 0", self.top_k),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty),
             (w is None or w >= 1, "repetition_window must be >= 1 or None", w),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be None or in [0, {MAX_LOGPROBS}]", self.logprobs),
         ):
             if not ok:
                 raise ValueError(f"{rule}, got {value}")
@@ -66,13 +76,16 @@ _seq_counter = itertools.count()
 class Sequence:
     """Prompt then generated tokens; the first num_computed_tokens have their K/V in block_table's blocks."""
 
-    def __init__(self, token_ids: list[int], group: SequenceGroup | None = None, index: int = 0) -> None:
+    def __init__(self, token_ids: list[int], group: SequenceGroup | None = None, index: int = 0,
+                 cache_salt: str | None = None) -> None:
         self.seq_id = next(_seq_counter)
         self.token_ids = list(token_ids)
+        self.cache_salt = cache_salt  # shares prefix-cache blocks only with sequences of the same salt
+        self.block_hashes: list[bytes] = []  # prefix-cache chain hash per full block (BlockManager.block_hash)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        self.pending_hashes: list[int] = []  # prefix-cache hashes of blocks it was admitted to compute
+        self.pending_hashes: list[bytes] = []  # prefix-cache hashes of blocks it was admitted to compute
         self.status = SequenceStatus.WAITING
         self.group = group
         self.index = index  # which sample of its group
@@ -82,6 +95,8 @@ class Sequence:
         self.generator: torch.Generator | None = None  # seeded sampling stream, made at first sample
         self.detokenizer: IncrementalDetokenizer | None = None  # its text, made at first token (output processor)
         self.pending_text = ""  # text not yet handed out in an output
+        self.logprobs: list[TokenLogprob] = []  # per output token, when its params ask for them
+        self.logprobs_sent = 0  # of those, how many were handed out in an output
 
     def __len__(self) -> int:
         return len(self.token_ids)

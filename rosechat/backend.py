@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 
 
 class Backend(Protocol):
-    def new_conversation(self) -> str: ...
+    def new_conversation(self, cache_salt: str | None = None) -> str:
+        """A conversation id, usable at once; `cache_salt`: its cached KV is shared only with conversations
+        of the same salt (vLLM's field; the app never sets one, `serve` passes its clients')."""
+        ...
 
     def fork_conversation(self, conversation_id: str) -> str: ...
 

@@ -1,10 +1,45 @@
-"""Command palette entries (ctrl+p) for every rosechat action."""
+"""How each rosechat action is reached: its keys (the app's bindings) and its command palette entry (ctrl+p).
+
+Kept together so that a key and the palette's help line naming it change together.
+"""
 
 from __future__ import annotations
 
 from functools import partial
 
+from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+BINDINGS = [
+    # priority: the input box binds ctrl+w / ctrl+f / ctrl+k to editing keys.
+    Binding("ctrl+n", "new_tab", "New", priority=True),
+    Binding("ctrl+w", "close_tab", "Close", priority=True),
+    Binding("ctrl+f", "fork", "Fork", priority=True),
+    # Tabs: f5/f6 reach the app in every terminal; ctrl+pageup/down and alt+digit where the
+    # terminal does not keep them for itself (or type characters with alt). alt+digit has no
+    # character (rosechat/keys.py: use_alt_digits), so the input box never types it, priority or not.
+    Binding("f5", "previous_tab", "Prev tab", show=False, priority=True),
+    Binding("f6", "next_tab", "Next tab", show=False, priority=True),
+    Binding("ctrl+pagedown", "next_tab", "Next tab", show=False, priority=True),
+    Binding("ctrl+pageup", "previous_tab", "Prev tab", show=False, priority=True),
+    *[Binding(f"alt+{i}", f"goto_tab({i})", f"Tab {i}", show=False) for i in range(1, 10)],
+    Binding("escape", "stop", "Stop"),
+    Binding("ctrl+r", "regenerate", "Alts", priority=True),
+    Binding("alt+left", "cycle(-1)", "Prev alt", show=False),
+    Binding("alt+right", "cycle(1)", "Next alt", show=False),
+    Binding("ctrl+k", "toggle_kv", "KV", priority=True),
+    Binding("ctrl+y", "copy_reply", "Copy reply", show=False, priority=True),
+    Binding("alt+y", "copy_code", "Copy code", show=False, priority=True),
+    Binding("f2", "toggle_kv", "KV cache", show=False),
+    Binding("f3", "system_prompt", "System prompt", show=False),
+    Binding("ctrl+o", "conversations", "Chats", priority=True),
+    Binding("f4", "conversations", "Conversations", show=False),
+]
+
+# The chat's own actions: under a dialog (conversations, system prompt, rename) their keys would act
+# on the tabs behind it (ctrl+w closing one unseen), so they wait until it closes
+TAB_ACTIONS = frozenset({"new_tab", "close_tab", "fork", "next_tab", "previous_tab", "goto_tab", "stop",
+                         "regenerate", "cycle", "copy_reply", "copy_code", "system_prompt", "conversations"})
 
 # (palette name, help, action): the action is run with App.run_action, like a key binding.
 COMMANDS: tuple[tuple[str, str, str], ...] = (

@@ -83,6 +83,7 @@ class RemoteBackend:
         self.snapshot_interval = snapshot_interval
         self._timeout = openai.Timeout(timeout, connect=connect_timeout)
         self._ids = itertools.count()
+        self._salts: dict[str, str] = {}  # conversation id -> its cache_salt, sent with each of its turns
         self._loop = asyncio.new_event_loop()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._turns: dict[str, _Turn] = {}
@@ -95,11 +96,15 @@ class RemoteBackend:
         self._thread.start()
         self._loop.call_soon_threadsafe(self._setup)
 
-    def new_conversation(self) -> str:
-        return f"conv-{next(self._ids)}"
+    def new_conversation(self, cache_salt: str | None = None) -> str:
+        cid = f"conv-{next(self._ids)}"
+        if cache_salt is not None:
+            self._salts[cid] = cache_salt
+        return cid
 
     def fork_conversation(self, conversation_id: str) -> str:
-        return self.new_conversation()  # the history travels with every turn: nothing to copy
+        # the history travels with every turn: nothing to copy but the salt
+        return self.new_conversation(self._salts.get(conversation_id))
 
     def submit_turn(self, conversation_id: str, messages: list[dict[str, str]], params: SamplingParams) -> str:
         rid = f"turn-{next(self._ids)}"
@@ -169,6 +174,7 @@ class RemoteBackend:
             task.cancel()
 
     def _drop(self, conversation_id: str) -> None:
+        self._salts.pop(conversation_id, None)
         for rid, turn in list(self._turns.items()):
             if turn.conversation_id == conversation_id:
                 self._cancel(rid, True)
@@ -225,7 +231,7 @@ class RemoteBackend:
             raise RemoteError(f"the server at {self.base_url} lists no models")
         return models.data[0].id
 
-    def _request_args(self, params: SamplingParams, n: int, sample: int) -> dict[str, Any]:
+    def _request_args(self, params: SamplingParams, n: int, sample: int, salt: str | None) -> dict[str, Any]:
         args: dict[str, Any] = {"n": n, "max_tokens": params.max_tokens}
         if params.stop:
             args["stop"] = params.stop
@@ -241,6 +247,8 @@ class RemoteBackend:
                 extra[name] = value
         if params.ignore_eos:
             extra["ignore_eos"] = True
+        if salt is not None:
+            extra["cache_salt"] = salt
         if extra:
             args["extra_body"] = extra
         return args
@@ -250,7 +258,7 @@ class RemoteBackend:
         """One streaming request; its choice k fills sample samples[k]."""
         stream = await self._client.chat.completions.create(
             model=self.model, messages=messages, stream=True, stream_options={"include_usage": True},
-            **self._request_args(params, len(samples), samples[0]))
+            **self._request_args(params, len(samples), samples[0], self._salts.get(turn.conversation_id)))
         async with stream:
             async for chunk in stream:
                 if chunk.usage is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from rosechat.history import HistoryStore
@@ -49,3 +50,10 @@ class Saver:
             message.history_id = self.save(tab, message, **figures)
         else:
             self.call(self.history.update_message, message.history_id, message.content, **figures)
+
+    def export(self, history_id: str, directory: Path) -> Path | None:
+        """Write a saved conversation to a Markdown file in ``directory``, and say where."""
+        path = self.call(self.history.export_markdown, history_id, directory)
+        if path is not None:
+            self.notify(f"Exported to {path}", title="Export")
+        return path

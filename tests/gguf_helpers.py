@@ -137,7 +137,7 @@ def write_gguf(
         if arch == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             data = data.T.copy()  # Conv1D [in, out] -> [out, in], as llama.cpp's converter does
         if g_arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k") and data.ndim == 2:
-            from engine.gguf_file import permute_qk
+            from engine.weights.gguf import permute_qk
 
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             data = permute_qk(data, heads)

@@ -2,7 +2,7 @@
 
 `make_tiny_model(tmp_path, "llama", **config_overrides)` writes a complete model folder
 (config.json, safetensors weights, tokenizer with a chat template) that both
-`transformers.AutoModelForCausalLM` / `AutoTokenizer` and `engine.loader.load_model` can load.
+`transformers.AutoModelForCausalLM` / `AutoTokenizer` and `engine.weights.load_model` can load.
 `PagedHarness` plays the model runner: a KV pool, block tables with scattered block ids, and the
 AttentionMetadata of one step.
 """

@@ -80,7 +80,7 @@ def _onednn_weight(weight: Tensor) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T (+ bias); through prepacked oneDNN weights for fp32 on CPU. A packed
-    quantized weight (engine.quant.PackedWeight) multiplies itself."""
+    quantized weight (engine.weights.packed.PackedWeight) multiplies itself."""
     if not isinstance(weight, Tensor):
         return weight.linear(x, bias)
     if _ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not weight.requires_grad:

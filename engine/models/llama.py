@@ -24,7 +24,7 @@ from engine.models.layers import (
     rotate_qk,
     silu_and_mul,
 )
-from engine.packed_weights import BlockWeight
+from engine.weights.packed import BlockWeight
 from kernels.cpu import ops as cpu_ops
 
 

@@ -330,7 +330,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 }
 
 // Rows ids of a packed weight as float32 [ids, K] (an embedding lookup): w = q * d (+ m), rounded as
-// engine/packed_weights.block_rows rounds it from GGML's blocks (a product, then a sum).
+// engine/weights/packed.block_rows rounds it from GGML's blocks (a product, then a sum).
 template <typename Row>
 at::Tensor weight_rows(const Rows& rows, int64_t k, const at::Tensor& ids, const Row& row) {
   TORCH_CHECK(ids.scalar_type() == at::kLong, "ids: int64");

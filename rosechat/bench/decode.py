@@ -59,6 +59,8 @@ class ProfileRow:
 class DecodeReport:
     figures: list[DecodeFigures]
     prefill_tok_s: float  # while filling the sequences (chunked prefill of distinct prompts)
+    hash_us_per_block: float = 0.0  # the prefix cache's chain hash of one full block
+    block_size: int = 16
     profile: list[ProfileRow] | None = None
     trace_path: str | None = None
 
@@ -103,6 +105,16 @@ def _profile(probe: StepProbe, out_dir: Path, num_seqs: int) -> tuple[list[Profi
     return rows, str(path)
 
 
+def _hash_us(block_size: int, n: int = 2000) -> float:
+    from engine import block_hash, chain_root
+
+    tokens, parent = list(range(block_size)), chain_root(None)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        parent = block_hash(parent, tokens)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def measure_decode(
     loaded: Any,
     engine_options: dict[str, Any],
@@ -136,7 +148,7 @@ def measure_decode(
         started.update(o.request_id for o in outputs if o.outputs[0].token_ids)
     prefill_tok_s = largest * context / (time.perf_counter() - t0)
 
-    report = DecodeReport([], prefill_tok_s)
+    report = DecodeReport([], prefill_tok_s, _hash_us(engine.config.block_size), engine.config.block_size)
     for n in batches:
         for rid in request_ids[n:]:
             engine.abort(rid)

@@ -156,6 +156,8 @@ def build_report(
     if decode is not None:
         report["decode_overhead"] = {
             "prefill_tok_s": decode.prefill_tok_s,
+            "hash_us_per_block": decode.hash_us_per_block,
+            "block_size": decode.block_size,
             "batches": [f.as_dict() for f in decode.figures],
         }
         roofline["decode_overhead"] = {
@@ -274,8 +276,12 @@ def _decode_table(h: dict[str, Any]) -> list[str]:
         ])
     head = ["seqs", "ctx/seq", "step ms", "model ms", "step/model", "host ms", "schedule", "prepare", "sample",
             "other", "roofline ms", "of roofline"]
+    big = max(d["batches"], key=lambda f: f["num_seqs"])["num_seqs"] if d["batches"] else 0
+    hashing = (f"prefix-cache hashing (blake2b chain): {d['hash_us_per_block']:.1f} us per full block, so "
+               f"{big / d['block_size'] * d['hash_us_per_block']:.1f} us per decode step at {big} seqs "
+               f"(one block per sequence every {d['block_size']} tokens)")
     return [f"rosechat decode step (median; prefill while filling the sequences: {d['prefill_tok_s']:.0f} tok/s)",
-            *_table(rows, head)]
+            *_table(rows, head), hashing]
 
 
 def _roofline_lines(h: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,13 +23,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
-from engine import EngineError, Finished, LLMEngine, SamplingParams, TokenDelta
+from engine import EngineError, Finished, LLMEngine, SamplingParams, TokenDelta, TokenLogprob
 from rosechat.server.errors import APIError, error_body, install_error_handlers
 from rosechat.server.guard import Guard
 from rosechat.server.hub import EngineHub, Turn
+from rosechat.server.logprobs import LogprobFormatter
 from rosechat.server.metrics import ServerMetrics
-from rosechat.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from rosechat.server.protocol import ChatCompletionRequest, CompletionRequest, extra_fields
 
+log = logging.getLogger("rosechat.serve")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
 
 
@@ -57,6 +60,7 @@ class ServerSettings:
     max_body_bytes: int = 8 * 2**20
     # SamplingParams values for fields a request leaves out (the app's config and flags)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    allow_unknown_fields: bool = False  # unknown request fields: logged and ignored instead of a 400
 
 
 def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -65,6 +69,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
     hub = EngineHub(llm, on_finished=metrics.finished, on_abort=metrics.aborted)
     created = int(time.time())
     ctx = llm.info.max_model_len
+    formatter = LogprobFormatter(llm.tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -74,22 +79,35 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         finally:
             hub.stop()
 
-    app = FastAPI(title="rosechat", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="rosechat", summary="OpenAI-compatible chat and completions over rosechat's engine",
+                  lifespan=lifespan, redoc_url=None)  # /docs and /openapi.json: the schema the models declare
     install_error_handlers(app)
     app.state.hub = hub
     app.state.metrics = metrics
 
     # ------------------------------------------------------------------ checks
-    def check_model(body: SamplingFields) -> None:
+    logged: set[str] = set()
+
+    def check_request(body: ChatCompletionRequest | CompletionRequest) -> None:
         if body.model is not None and body.model != s.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {s.model_name!r}",
                            param="model", code="model_not_found")
+        unsupported, unknown = extra_fields(body)
+        for path in set(unsupported + unknown) - logged:  # once per field, whatever the answer
+            logged.add(path)
+            log.warning("request field %r: %s", path, "not implemented" if path in unsupported else "unknown")
+        if unsupported:
+            raise APIError(400, f"{unsupported[0]} is not supported by this server", param=unsupported[0],
+                           code="unsupported")
+        if unknown and not s.allow_unknown_fields:
+            raise APIError(400, f"unknown field {unknown[0]!r} (the server was not started with "
+                           "--allow-unknown-fields)", param=unknown[0], code="unknown_field")
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
 
     def sampling_params(
-        body: SamplingFields, n_prompt: int, max_tokens: int | None, prompt_param: str
+        body: ChatCompletionRequest | CompletionRequest, n_prompt: int, max_tokens: int | None, prompt_param: str
     ) -> SamplingParams:
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs", code="unsupported")
         if body.n > s.max_n:
             raise APIError(400, f"n={body.n} is over this server's limit of {s.max_n}", param="n", code="invalid_value")
         if n_prompt == 0:
@@ -108,17 +126,17 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                  "repetition_penalty": body.repetition_penalty, "seed": body.seed,
                  "top_k": None if body.top_k is None else max(body.top_k, 0)}
         values.update({k: v for k, v in given.items() if v is not None})
-        values.update(n=body.n, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+        values.update(n=body.n, stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=body.logprobs_k())
         try:
             return SamplingParams(**values)
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
-    async def start_turn(tokens: list[int], params: SamplingParams) -> Turn:
+    async def start_turn(tokens: list[int], params: SamplingParams, cache_salt: str | None) -> Turn:
         if hub.in_flight >= s.max_queued:  # a bound on the queue, never an unbounded backlog
             raise APIError(503, f"the server is at capacity ({s.max_queued} requests in flight); retry later",
                            code="server_overloaded", headers={"Retry-After": "1"})
-        turn = hub.submit(tokens, params)
+        turn = hub.submit(tokens, params, cache_salt)
         try:
             first = await turn.events.get()  # TurnStarted, or the engine's refusal: decides the status
         except BaseException:
@@ -166,21 +184,26 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
     def sse(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-    async def stream(turn: Turn, body: SamplingFields, kind: str) -> AsyncIterator[str]:
+    async def stream(turn: Turn, body: ChatCompletionRequest | CompletionRequest, kind: str) -> AsyncIterator[str]:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head = {"id": rid, "object": obj, "created": int(time.time()), "model": s.model_name}
         extra = {"usage": None} if include_usage else {}
+        offsets = [0] * body.n  # completions' text_offset: where each sample's next piece starts
 
-        def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False,
+                  lps: tuple[TokenLogprob, ...] = ()) -> str:
             if kind == "chat":
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                logprobs = formatter.chat(lps) if lps else None
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                logprobs = formatter.completion(lps, offsets[index]) if lps else None
+                offsets[index] += len(text or "")
+                choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             return sse({**head, "choices": [choice], **extra})
 
         try:
@@ -190,7 +213,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
             while True:
                 ev = await turn.events.get()
                 if isinstance(ev, TokenDelta):
-                    yield chunk(ev.index, ev.text)
+                    yield chunk(ev.index, ev.text, lps=ev.logprobs)
                 elif isinstance(ev, Finished):
                     for i, reason in enumerate(ev.finish_reasons):
                         yield chunk(i, None if kind == "chat" else "", reason)
@@ -204,21 +227,25 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         finally:  # also on a client disconnect (the generator is cancelled): abort, free the blocks
             hub.release(turn)
 
-    async def respond(request: Request, body: SamplingFields, tokens: list[int], params: SamplingParams,
+    async def respond(request: Request, body: ChatCompletionRequest | CompletionRequest, tokens: list[int],
+                      params: SamplingParams,
                       kind: str) -> Response:
-        turn = await start_turn(tokens, params)
+        turn = await start_turn(tokens, params, body.cache_salt)
         if body.stream:
             return TurnStream(stream(turn, body, kind), lambda: hub.release(turn))
         ev = await finish_or_disconnect(request, turn)
         if ev is None:
             return Response(status_code=499)  # nobody reads it
+        lps = ev.logprobs or [None] * len(ev.texts)
         if kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                        "finish_reason": reason} for i, (text, reason) in enumerate(zip(ev.texts, ev.finish_reasons))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": None if lp is None else formatter.chat(lp), "finish_reason": reason}
+                       for i, (text, reason, lp) in enumerate(zip(ev.texts, ev.finish_reasons, lps))]
             obj, prefix = "chat.completion", "chatcmpl"
         else:
-            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                       for i, (text, reason) in enumerate(zip(ev.texts, ev.finish_reasons))]
+            choices = [{"index": i, "text": text, "logprobs": None if lp is None else formatter.completion(lp),
+                        "finish_reason": reason}
+                       for i, (text, reason, lp) in enumerate(zip(ev.texts, ev.finish_reasons, lps))]
             obj, prefix = "text_completion", "cmpl"
         return JSONResponse({"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
                              "model": s.model_name, "choices": choices, "usage": usage_json(ev)})
@@ -240,9 +267,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body)
-        if body.tools:
-            raise APIError(400, "tools are not supported by this server", param="tools", code="unsupported")
+        check_request(body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         try:
@@ -256,7 +281,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body)
+        check_request(body)
         if body.echo:
             raise APIError(400, "echo is not supported by this server", param="echo", code="unsupported")
         prompt = body.prompt

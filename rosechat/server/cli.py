@@ -26,6 +26,9 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued", type=int, default=256, metavar="N",
                    help="requests in flight (running + waiting) before new ones get 503 (default 256)")
     g.add_argument("--max-n", type=int, default=16, metavar="N", help="most samples (n) per request (default 16)")
+    g.add_argument("--allow-unknown-fields", action="store_true", default=False,
+                   help="ignore request fields the API does not define (logged once) instead of answering 400; "
+                   "fields of the API that rosechat does not implement are refused either way")
 
 
 def _is_loopback(host: str) -> bool:
@@ -63,7 +66,8 @@ def serve(config: Config, args: argparse.Namespace) -> int:
     # the default model missing, the demo runs instead (notice): clients must not be told otherwise
     name = args.served_model_name or ("demo" if notice else config.model.name)
     settings = ServerSettings(model_name=name, api_key=api_key,
-                              max_n=args.max_n, max_queued=args.max_queued, sampling_defaults=sampling)
+                              max_n=args.max_n, max_queued=args.max_queued, sampling_defaults=sampling,
+                              allow_unknown_fields=args.allow_unknown_fields)
     import uvicorn
 
     host, port = sock.getsockname()[:2]

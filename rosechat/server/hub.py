@@ -71,9 +71,9 @@ class EngineHub:
         return len(self._turns)
 
     # ------------------------------------------------------------------ requests (event loop)
-    def submit(self, prompt_tokens: list[int], params: SamplingParams) -> Turn:
+    def submit(self, prompt_tokens: list[int], params: SamplingParams, cache_salt: str | None = None) -> Turn:
         assert self.thread is not None
-        cid = self.thread.new_conversation()
+        cid = self.thread.new_conversation(cache_salt)
         # A token list is a prompt the engine takes as is: the server renders the chat template
         # itself, so it can refuse an over-long prompt instead of dropping old messages.
         rid = self.thread.submit_turn(cid, prompt_tokens, params)  # type: ignore[arg-type]

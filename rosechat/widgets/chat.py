@@ -236,10 +236,16 @@ class MessageView(Vertical):
                 await self.markdown.update(self.text)
 
     async def show_alternative(self, index: int) -> None:
+        """Show alternative ``index`` (modulo their number) and its footer: its own figures once the
+        reply has finished, else which alternative streams."""
         async with self._lock:
             await self._stop_stream()
             self.shown = index % len(self.texts)
             await self.markdown.update(self.text)
+        if self.stats:
+            self.show_stats()
+        else:
+            self.set_footer(f"generating… alternative {self.shown + 1}/{len(self.texts)}")
 
     def show_stats(self) -> None:
         """The footer from the shown alternative's own figures (and which alternative it is)."""

@@ -2,11 +2,13 @@
 
 The worker hands each ``LoadProgress`` to ``on_progress`` (the app's event buffer, the channel
 the engine's own events take); the app routes the newest to the ``LoadBar`` of this line and of
-the KV panel. ``Loaded`` / ``Failed`` end the load.
+the KV panel. ``Loaded`` / ``Failed`` end the load. With a remote server there is nothing to load:
+``RemoteConnector`` waits, on the same line, until the server answers.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -187,3 +189,41 @@ class ModelLoader(Vertical):
     def on_model_loader_failed(self, event: Failed) -> None:
         self.finished = True
         self.query_one(LoadBar).end(f"Could not load the model: {event.error}")
+
+
+class RemoteConnector(Vertical):
+    """Waits off the UI thread until the remote server answers (it may be down, or loading its
+    model), saying so each second on its bar; posts ``Reachable`` then. Messages typed meanwhile
+    queue. A failure later on (the server went away) shows in the tab that meets it."""
+
+    class Reachable(Message):
+        """The remote server answers: its backend can start."""
+
+    def __init__(self, config: Config, on_progress: Callable[[LoadProgress], None], *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.config = config
+        self.on_progress = on_progress  # thread-safe, never blocks (the app's EventBuffer.push)
+        self._stop = threading.Event()  # wakes the connect loop when the app closes
+
+    def compose(self) -> ComposeResult:
+        yield LoadBar(f"Connecting to {self.config.remote.url}", id="loading-bar")
+
+    def on_mount(self) -> None:
+        self.connect()
+
+    def on_unmount(self) -> None:
+        self._stop.set()
+
+    @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
+    def connect(self) -> None:
+        from engine.events import LoadProgress
+        from rosechat.remote import unreachable
+
+        r, began = self.config.remote, time.monotonic()
+        for attempt in range(1, 1 << 62):
+            if (why := unreachable(r.url, self.config.remote_api_key(), r.connect_timeout)) is None:
+                self.post_message(self.Reachable())
+                return
+            self.on_progress(LoadProgress(f"{why}; retrying", attempt, 0, time.monotonic() - began))
+            if self._stop.wait(1.0):
+                return

@@ -1,7 +1,9 @@
-"""Engine events as Textual messages, routed by request id to the tab that owns the request.
+"""Engine events as Textual messages, routed by request id to the tab that owns the request, and
+the reply they update.
 
 The app drains the engine's events (coalesced per frame) and posts each request's share to its
-tab; the tab's queue keeps them in order: started, text, waiting, then finished or failed.
+tab; the tab's queue keeps them in order: started, text, waiting, then finished or failed. The tab
+keeps the conversation; its ``ActiveReply`` shows each event on the reply's view.
 """
 
 from __future__ import annotations
@@ -12,19 +14,68 @@ from typing import TYPE_CHECKING
 
 from textual.message import Message
 
+from rosechat.widgets.chat import ChatMessage, MessageView, ReplyStats
+
 if TYPE_CHECKING:
     from engine.events import EngineError, Finished, TurnStarted
     from rosechat.bridge import Batch
-    from rosechat.widgets.chat import ChatMessage, MessageView
+
+GENERATING = "generating… (escape stops)"
+WAITING = "waiting for KV memory: other replies took its blocks; it resumes where it was"
 
 
 @dataclass
 class ActiveReply:
-    """The reply a tab is generating: its request, where it is shown, what it replaces."""
+    """The reply a tab is generating: its request, where it is shown, what it replaces; and how
+    each of its events shows there. What becomes of it in the conversation is the tab's to say."""
 
     request_id: str
     view: MessageView
     replaces: ChatMessage | None = None  # regenerating: the reply it replaces
+
+    def begin(self) -> None:
+        self.view.stats = []
+        self.view.set_footer(GENERATING)
+
+    def started(self, turn: TurnStarted) -> None:
+        if turn.max_tokens_clamped:
+            self.view.set_footer(f"{GENERATING} · the context leaves room for {turn.max_tokens} tokens")
+
+    async def add_text(self, deltas: list[tuple[int, str]]) -> None:
+        for index, text in deltas:
+            await self.view.add_delta(index, text)
+
+    def set_waiting(self, waiting: bool) -> None:
+        self.view.set_footer(WAITING if waiting else GENERATING)
+
+    def stopping(self) -> None:
+        self.view.set_footer("stopping…")
+
+    async def finish(self, ev: Finished, *, clamped: bool) -> ChatMessage:
+        """The final texts and each alternative's figures (``clamped``: the context cut max_tokens,
+        so "length" means the context was full); returns the reply's message, with the text shown.
+        Nothing awaits once the texts are in: the caller keeps and saves the message in the same step."""
+        view = self.view
+        await view.set_texts(ev.texts)
+        message = self.replaces or ChatMessage("assistant", "")
+        message.content, message.view = view.text, view
+        counts = ev.sample_tokens or (ev.usage.completion_tokens,)
+        rates = ev.sample_tokens_per_s or (ev.tokens_per_s,)
+        view.stats = [
+            ReplyStats(n, ev.ttft_s, tps, "context" if reason == "length" and clamped else reason)
+            for n, tps, reason in zip(counts, rates, ev.finish_reasons)
+        ]
+        view.show_stats()
+        return message
+
+    def fail(self, error: EngineError) -> None:
+        self.view.set_footer(f"error: {error.message}")
+        self.view.add_class("-error")
+
+    def cut_short(self) -> ChatMessage | None:
+        """What it got before it ended early, as a message of its own (None: no text yet)."""
+        text = self.view.text
+        return ChatMessage("assistant", text, view=self.view) if text.strip() else None
 
 
 class ReplyEvent(Message, bubble=False):

@@ -7,11 +7,16 @@ a write into a shared block, a wrong copy-on-write, a bad prefix-cache hit, a le
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
+from engine import block_manager
+from engine.block_manager import BlockManager, block_hash, chain_root
 from engine.sequence import Sequence
 
 BS = 4
@@ -25,6 +30,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True)
         self.kv = [[None] * BS for _ in range(NUM_BLOCKS)]  # fake pool: token id per slot
         self.seqs: list[Sequence] = []
+        self.hash_tokens: dict[bytes, list[int]] = {}  # what each registered hash was computed from
 
     # -------------------------------------------------------------- helpers
     def _compute(self, seq: Sequence, n: int) -> None:
@@ -39,11 +45,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.kv[block_id][pos % BS] = seq.token_ids[pos]
         seq.num_computed_tokens = c + n
         self.bm.cache_full_blocks(seq, c)
+        for j in range(seq.num_computed_tokens // BS):
+            h = self.bm.blocks[seq.block_table[j]].hash
+            if h is not None:
+                tokens = seq.token_ids[j * BS : (j + 1) * BS]
+                assert self.hash_tokens.setdefault(h, tokens) == tokens, "one hash names two blocks of tokens"
 
     # -------------------------------------------------------------- rules
-    @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
-    def admit(self, tokens: list[int]) -> None:
-        seq = Sequence(tokens)
+    @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
+          salt=st.sampled_from([None, None, "a", "b"]))
+    def admit(self, tokens: list[int], salt: str | None) -> None:
+        seq = Sequence(tokens, cache_salt=salt)
         seq.owner = f"s{seq.seq_id}"
         plan = self.bm.plan(seq)
         if plan.num_free_needed > self.bm.num_free_blocks:
@@ -78,6 +90,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         child = Sequence(parent.token_ids[: parent.num_computed_tokens])
         child.owner = f"s{child.seq_id}"
         self.bm.fork(parent, child)
+        assert child.cache_salt == parent.cache_salt
         self.seqs.append(child)
 
     @precondition(lambda self: self.seqs)
@@ -118,9 +131,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def cached_blocks_hold_their_tokens(self) -> None:
         for h, block_id in self.bm.hash_to_block.items():
-            block = self.bm.blocks[block_id]
-            assert block.hash == h
-            assert self.kv[block_id] == list(block.token_ids), "a cached block's KV changed"
+            assert self.bm.blocks[block_id].hash == h
+            assert self.kv[block_id] == self.hash_tokens[h], "a cached block's KV changed"
+
+    @invariant()
+    def salts_never_share_a_block(self) -> None:
+        salts: dict[int, set[str | None]] = {}
+        for seq in self.seqs:
+            for block_id in seq.block_table:
+                salts.setdefault(block_id, set()).add(seq.cache_salt)
+        assert all(len(s) == 1 for s in salts.values()), salts
 
 
 TestBlockManager = BlockManagerMachine.TestCase
@@ -168,3 +188,65 @@ def test_fork_then_append_copies_on_write() -> None:
     assert bm.pending_copies == [(parent.block_table[1], child.block_table[1])]
     assert bm.cow_copies == 1
     bm.check_invariants()
+
+
+def _cached(bm: BlockManager, tokens: list[int], salt: str | None = None) -> Sequence:
+    seq = Sequence(tokens, cache_salt=salt)
+    bm.allocate(seq, bm.plan(seq))
+    seq.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(seq, 0)
+    return seq
+
+
+def test_a_block_is_named_by_its_whole_prefix_not_by_its_own_tokens() -> None:
+    bm = BlockManager(8, BS)
+    _cached(bm, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    # the second block's tokens are the same, the first's are not: nothing to share
+    plan = bm.plan(Sequence([9, 2, 3, 4, 5, 6, 7, 8, 0]))
+    assert plan.hits == [] and len(plan.miss_hashes) == 2
+    assert len(bm.plan(Sequence([1, 2, 3, 4, 5, 6, 7, 8, 0])).hits) == 2
+
+
+def test_cache_salt_isolates_tenants() -> None:
+    bm = BlockManager(16, BS)
+    tokens = list(range(9))
+    _cached(bm, tokens, "tenant-a")
+    assert bm.plan(Sequence(tokens, cache_salt="tenant-a")).hits  # same salt: shared
+    assert bm.plan(Sequence(tokens, cache_salt="tenant-b")).hits == []
+    assert bm.plan(Sequence(tokens)).hits == []  # no salt is a tenant of its own too
+    _cached(bm, tokens)
+    assert bm.plan(Sequence(tokens, cache_salt="tenant-b")).hits == []
+
+
+def test_block_hashes_are_cryptographic_and_keyed_per_process() -> None:
+    tokens = list(range(BS))
+    h = block_hash(chain_root(None), tokens)
+    assert isinstance(h, bytes) and len(h) == 32
+    assert block_hash(chain_root(None), tokens) == h != block_hash(chain_root("s"), tokens)
+    # another process draws another root: the same tokens get another hash, so none can be computed offline
+    code = ("from engine.block_manager import block_hash, chain_root; "
+            f"print(block_hash(chain_root(None), {tokens}).hex())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert len(other) == 64 and other != h.hex()
+
+
+def test_hashes_are_computed_once_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiting sequence is planned every step: its blocks are hashed once, kept on the sequence; a truncate
+    drops the hashes of the blocks it cuts, so new tokens there get new ones."""
+    calls = []
+    real = block_manager.block_hash
+    monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+    bm = BlockManager(16, BS)
+    seq = Sequence(list(range(4 * BS + 1)))
+    for _ in range(10):
+        bm.plan(seq)
+    assert len(calls) == 4 and len(seq.block_hashes) == 4
+    bm.allocate(seq, bm.plan(seq))
+    seq.num_computed_tokens = len(seq)
+    bm.cache_full_blocks(seq, 0)
+    assert len(calls) == 4
+    old = list(seq.block_hashes)
+    bm.truncate(seq, 2 * BS + 1)
+    assert seq.block_hashes == old[:2]
+    seq.token_ids += [99] * (2 * BS)
+    assert bm.block_hash(seq, 3) not in old and seq.block_hashes[:2] == old[:2]

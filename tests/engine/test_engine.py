@@ -357,7 +357,7 @@ def test_sampling_seed_is_reproducible_whatever_the_batch(llama_dir: str) -> Non
 
 def test_two_engines_on_one_loaded_model_keep_their_own_caches(llama_dir: str) -> None:
     from engine import EngineConfig
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
 
     loaded = load_model(llama_dir)
     prompt = random_prompts(12, [40])[0]

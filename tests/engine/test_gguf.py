@@ -11,7 +11,8 @@ import torch
 
 from engine import EngineConfig, GGUFError, LLMEngine, SamplingParams
 from engine.events import LoadProgress
-from engine.loader import ModelNotFoundError, load_model, resolve_model
+from engine.weights.loader import load_model
+from engine.weights.source import ModelNotFoundError, resolve_model
 from tests.gguf_helpers import transformers_from_gguf, write_gguf
 from tests.helpers import PagedHarness, reference_logits
 
@@ -193,7 +194,7 @@ def test_split_files_and_other_architectures_are_refused(gguf_dir: Path, tmp_pat
 
 
 def test_config_and_tokenizer_are_converted_once_then_cached(gguf_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from engine import gguf_file
+    from engine.weights.gguf import GGUFModel
 
     monkeypatch.setenv("ROSECHAT_CACHE_DIR", str(tmp_path / "cache"))
     path = gguf_dir / "cached.gguf"
@@ -205,8 +206,8 @@ def test_config_and_tokenizer_are_converted_once_then_cached(gguf_dir: Path, tmp
     def no_conversion(self):
         raise AssertionError("converted again despite the cache")
 
-    monkeypatch.setattr(gguf_file.GGUFModel, "load_config", no_conversion)
-    monkeypatch.setattr(gguf_file.GGUFModel, "load_tokenizer", no_conversion)
+    monkeypatch.setattr(GGUFModel, "load_config", no_conversion)
+    monkeypatch.setattr(GGUFModel, "load_tokenizer", no_conversion)
     again = load_model(str(path))
     assert again.config.head_dim == 32 and again.config.architectures == ["Qwen3ForCausalLM"]
     messages = [{"role": "user", "content": "hello there"}]

@@ -33,6 +33,7 @@ from engine import (
 
 GOLDEN = Path(__file__).parent / "golden"
 TIMING = {"ttft_s", "total_s", "tokens_per_s", "sample_tokens_per_s", "time"}
+ASKED_FOR = {"logprobs"}  # fields empty unless a request asks for them (no session here does): left out
 SYSTEM = {"role": "system", "content": "you are a helpful assistant and answer briefly"}
 
 
@@ -43,7 +44,8 @@ def make_engine(**overrides: Any) -> LLMEngine:
 
 def _plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        d = {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name not in TIMING}
+        d = {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+             if f.name not in TIMING and not (f.name in ASKED_FOR and not getattr(obj, f.name))}
         return {"type": type(obj).__name__, **d}
     if isinstance(obj, tuple | list):
         return [_plain(x) for x in obj]

@@ -1,4 +1,4 @@
-"""engine.loader (local folders, the HF cache, broken checkpoints) and the built-in demo model."""
+"""engine.weights' loading (local folders, the HF cache, broken checkpoints) and the built-in demo model."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import demo
-from engine.loader import (
-    ModelNotFoundError,
-    WeightLoadError,
-    build_model,
-    load_model,
-    resolve_dtype,
-)
+from engine.weights.checkpoint import WeightLoadError
+from engine.weights.loader import build_model, load_model, resolve_dtype
+from engine.weights.source import ModelNotFoundError
 from tests.helpers import PagedHarness, reference_logits, reference_model
 
 

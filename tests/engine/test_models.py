@@ -1,6 +1,6 @@
 """Own model implementations against transformers, through the paged KV cache.
 
-Each case saves a tiny random transformers model, loads it with engine.loader, and compares
+Each case saves a tiny random transformers model, loads it with engine.weights.load_model, and compares
 logits of (a) a ragged batch packed as one prefill, (b) one decode step for every sequence and
 (c) a mixed step (decodes + a chunked-prefill continuation + a new prompt) with transformers'
 forward over the same tokens (fp32).
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engine.attention import Attention, AttentionMetadata
-from engine.loader import load_model
 from engine.models import MODEL_REGISTRY, get_model_class
 from engine.models.layers import rope_inv_freq, rope_parameters
+from engine.weights.loader import load_model
 from tests.helpers import TINY_VOCAB, PagedHarness, reference_logits, reference_model
 
 ATOL = 1e-4
@@ -241,7 +241,7 @@ def test_linear_matches_float64_and_follows_weight_updates(rows):
 def test_weights_loaded_after_a_forward_replace_the_packed_copies(tmp_path):
     """CPU linears keep a packed copy of each weight: loading another checkpoint into a model that
     has already run must reach every projection and the head, not leave them on the old copies."""
-    from engine.loader import load_weights
+    from engine.weights.checkpoint import load_weights
     from tests.helpers import make_tiny_model
 
     a, b = make_tiny_model(tmp_path / "a", "llama", seed=1), make_tiny_model(tmp_path / "b", "llama", seed=2)

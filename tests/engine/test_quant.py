@@ -1,4 +1,4 @@
-"""Packed quantized weights (engine/quant.py): GGUF blocks repacked into torch's int4 / int8 CPU
+"""Packed quantized weights (engine/weights/): GGUF blocks repacked into torch's int4 / int8 CPU
 formats, checked against gguf's own dequantizer (the dequantized fp32 path) block by block, on tiny
 random GGUF models (logits and greedy output), and on the real SmolLM2-135M-Instruct Q4_1 file."""
 
@@ -14,22 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams, quant
-from engine.loader import WeightLoadError, load_model
-from engine.quant import (
-    GGUFBlocks,
-    Int4Weight,
-    PackedEmbedding,
-    PackedLinear,
-    Q4Weight,
-    Q8Weight,
-    int4_from_blocks,
-    int8_from_blocks,
-    pack,
-    packed_bytes,
-    quantize_int4,
-    quantize_int8,
-)
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.weights import routes
+from engine.weights.blocks import GGUFBlocks
+from engine.weights.checkpoint import WeightLoadError
+from engine.weights.gguf import drop_mapped_pages
+from engine.weights.loader import load_model
+from engine.weights.packing import PackedEmbedding, PackedLinear, auto_mode, packed_bytes
+from engine.weights.q4 import Int4Weight, Q4Weight, int4_from_blocks, quantize_int4
+from engine.weights.q8 import Q8Weight, int8_from_blocks, quantize_int8
+from engine.weights.routes import pack
 from kernels.cpu import ops as cpu_ops
 from tests.gguf_helpers import K_QUANTS, _k_quant_blocks, write_gguf
 from tests.helpers import PagedHarness
@@ -139,7 +133,7 @@ def test_other_block_types_are_requantized_per_block_of_32(weight: np.ndarray, t
     against the file's own values: ~0.2-0.4 %."""
     blocks = _blocks(weight[:, :512] if "K" in type_name else weight, type_name)
     ref = blocks.dequantize()
-    packed = pack(blocks, quant.auto_mode(type_name))
+    packed = pack(blocks, auto_mode(type_name))
     assert isinstance(packed, Q8Weight)
     back = packed.dequantize()
     step = ref.view(ref.shape[0], -1, 32).abs().amax(-1) / 127
@@ -193,7 +187,7 @@ def test_packed_logits_and_greedy_match_the_dequantized_path(gguf_dir: Path, cas
 def test_the_triton_route_matches_the_dequantized_path(gguf_dir: Path, case, monkeypatch) -> None:
     monkeypatch.setenv("ROSECHAT_QUANT_KERNELS", "triton")
     _check_packed_against_dense(gguf_dir, case, "triton")
-    assert quant.route(torch.device("cuda")) == "triton"
+    assert routes.route(torch.device("cuda")) == "triton"
 
 
 def _check_packed_against_dense(gguf_dir: Path, case, route: str) -> None:
@@ -204,7 +198,7 @@ def _check_packed_against_dense(gguf_dir: Path, case, route: str) -> None:
     _, tok = write_gguf(path, "llama", qtype=mtype, embed_qtype=embed, tie=tied, **(K_SHAPE if "K" in mtype else {}))
     dense = load_model(str(path), quantization="none")
     packed = load_model(str(path), quantization=mode)
-    assert quant.route() == route
+    assert routes.route() == route
     linears = [m for m in packed.model.modules() if isinstance(m, PackedLinear)]
     kinds = {"rosechat": {"Q4Weight", "Q8Weight"}, "torch": {"Int4Weight", "Int8Weight"}, "triton": {"GPUBlockWeight"}}
     assert {type(m.weight).__name__ for m in linears} <= kinds[route]
@@ -250,7 +244,7 @@ def test_bad_quantization_and_gpt2_are_refused(gguf_dir: Path) -> None:
 def test_a_missing_shard_is_named(gguf_dir: Path) -> None:
     path = gguf_dir / "missing.gguf"
     write_gguf(path, "llama", qtype="Q4_0")
-    from engine.gguf_file import GGUFModel
+    from engine.weights.gguf import GGUFModel
 
     gguf = GGUFModel(path)
     original = gguf.iter_tensors
@@ -259,7 +253,7 @@ def test_a_missing_shard_is_named(gguf_dir: Path) -> None:
         return ((n, t, f) for n, t, f in original(*args, **kwargs) if "layers.1.self_attn.k_proj" not in n)
 
     gguf.iter_tensors = without_k
-    from engine.loader import resolve_model
+    from engine.weights.source import resolve_model
 
     source = resolve_model(str(path))
     source.gguf = gguf
@@ -268,16 +262,16 @@ def test_a_missing_shard_is_named(gguf_dir: Path) -> None:
 
 
 def test_dropped_pages_of_a_mapped_file_read_back_the_same(tmp_path: Path) -> None:
-    """quant.drop_mapped_pages: a range (its start rounded down to a page, its end past the map's)
+    """drop_mapped_pages: a range (its start rounded down to a page, its end past the map's)
     or the whole map; later reads fault the file's bytes back in."""
     data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 100, dtype=np.uint8)
     data.tofile(tmp_path / "blob")
     mapped = np.memmap(tmp_path / "blob", mode="r")
     assert int(mapped.sum()) == int(data.sum())  # resident now
-    quant.drop_mapped_pages(mapped, 5000, 4000)
-    quant.drop_mapped_pages(mapped, 12000, 1 << 20)
+    drop_mapped_pages(mapped, 5000, 4000)
+    drop_mapped_pages(mapped, 12000, 1 << 20)
     np.testing.assert_array_equal(mapped, data)
-    quant.drop_mapped_pages(mapped)
+    drop_mapped_pages(mapped)
     np.testing.assert_array_equal(mapped, data)
 
 
@@ -321,8 +315,9 @@ def test_real_model_top1_agreement_over_64_greedy_tokens(engines) -> None:
 
 _RSS_SCRIPT = """
 import json, sys
-from engine.loader import load_model, resolve_model
-from engine.quant import packed_bytes
+from engine.weights.loader import load_model
+from engine.weights.packing import packed_bytes
+from engine.weights.source import resolve_model
 def status():
     return {l.split(':')[0]: int(l.split()[1]) << 10 for l in open('/proc/self/status')
             if l.startswith(('VmRSS', 'RssAnon', 'RssFile', 'VmHWM'))}

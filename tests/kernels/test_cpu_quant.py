@@ -106,7 +106,7 @@ def test_rows_are_independent_of_the_batch(fmt: str) -> None:
 @pytest.mark.parametrize("n", [5, 16, 21])  # a lone short group, whole groups, both
 def test_packed_rows_read_back_as_the_blocks_dequantized(k: int, n: int) -> None:
     """An embedding's rows from the packed layouts equal block_rows of the GGML-order blocks, bit for bit."""
-    from engine.packed_weights import block_rows
+    from engine.weights.packed import block_rows
 
     nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)

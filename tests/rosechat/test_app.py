@@ -498,9 +498,9 @@ async def test_command_palette_runs_actions(tmp_path: Path) -> None:
 
 
 async def test_missing_default_model_falls_back_to_demo(tmp_path: Path, monkeypatch) -> None:
-    from engine import loader
+    from engine.weights.source import PACKAGED_MODELS
 
-    monkeypatch.setitem(loader.PACKAGED_MODELS, "smollm2-135m-instruct", ("rosechat-no-such-dist", "x.gguf"))
+    monkeypatch.setitem(PACKAGED_MODELS, "smollm2-135m-instruct", ("rosechat-no-such-dist", "x.gguf"))
     config = load_config(overrides={"cache.num_blocks": 96, "sampling.max_tokens": 8,
                                     "history.path": str(tmp_path / "h.sqlite3")}, user_file=None)
     assert config.is_default("model.name")

@@ -12,13 +12,14 @@ from typing import Any
 from textual.widgets import ProgressBar
 
 from engine import LLMEngine
-from engine.loader import Stages
+from engine.weights.loader import Stages
 from rosechat.app import RoseChatApp
 from rosechat.config import load_config
 from rosechat.history import HistoryStore
 from rosechat.widgets.chat import MessageView
 from rosechat.widgets.loading import LoadBar, StageLog
-from rosechat.widgets.tab import QUEUED, QUEUED_NEXT, ChatTab
+from rosechat.widgets.queued import QUEUED, QUEUED_NEXT
+from rosechat.widgets.tab import ChatTab
 from tests.rosechat.test_app import SIZE, _footer, new_tab, ready, replied, wait_for
 
 

@@ -79,6 +79,7 @@ def test_chat_json_matches_and_shares_the_system_prompt(tiny: Path, tmp_path: Pa
     roof = report["roofline"]
     assert roof["matmul_gflops"] > 0 and roof["mem_bw_gbs"] > 0
     assert 0 < roof["rosechat_decode"]["fraction"] and roof["rosechat_decode"]["limit_ms"] > 0
+    assert 0 < report["decode_overhead"]["hash_us_per_block"] < 1000  # the prefix cache's blake2b per block
     decode = report["decode_overhead"]["batches"]
     assert [d["num_seqs"] for d in decode] == [2, 4]
     for d in decode:
@@ -109,7 +110,7 @@ def test_multiturn_prefills_only_what_each_turn_adds(tiny: Path, capsys) -> None
 
 
 def test_verifier_rejects_a_token_that_is_not_the_argmax(tiny: Path) -> None:
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
 
     loaded = load_model(str(tiny))
     twin = build_twin(loaded, torch.float32)
@@ -125,7 +126,7 @@ def test_verifier_rejects_a_token_that_is_not_the_argmax(tiny: Path) -> None:
 
 def test_verifier_checks_the_setting_that_ran(tiny: Path) -> None:
     """A repetition penalty and a nucleus change which tokens are allowed: the check follows the setting."""
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
 
     twin = build_twin(load_model(str(tiny)), torch.float32)
     verifier = Verifier(twin)
@@ -186,7 +187,7 @@ def test_chat_runs_every_sampling_setting_for_rosechat(tiny: Path, capsys) -> No
 
 def test_probe_block_counters_equal_the_cache_snapshot(tiny: Path) -> None:
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     from rosechat.bench.probe import StepProbe
 
     loaded = load_model(str(tiny))

@@ -68,7 +68,7 @@ def test_flags_override_config_and_start_the_app(tmp_path: Path, launched) -> No
     assert (tmp_path / "h.db").exists()
 
 
-SERVER_DESTS = {"host", "port", "server_api_key", "served_model_name", "max_queued", "max_n"}
+SERVER_DESTS = {"host", "port", "server_api_key", "served_model_name", "max_queued", "max_n", "allow_unknown_fields"}
 
 
 def test_every_flag_maps_to_a_config_key() -> None:
@@ -278,9 +278,9 @@ def test_device_and_backend_the_machine_lacks_exit_2(tmp_path: Path, capsys, lau
 
 
 def test_missing_default_model_runs_the_demo_with_a_notice(tmp_path: Path, launched, monkeypatch) -> None:
-    from engine import loader
+    from engine.weights.source import PACKAGED_MODELS
 
-    monkeypatch.setitem(loader.PACKAGED_MODELS, "smollm2-135m-instruct", ("rosechat-no-such-dist", "x.gguf"))
+    monkeypatch.setitem(PACKAGED_MODELS, "smollm2-135m-instruct", ("rosechat-no-such-dist", "x.gguf"))
     assert cli.main(["--history", str(tmp_path / "h.db")]) == 0
     (app,) = launched
     assert app.model.kind == "demo"

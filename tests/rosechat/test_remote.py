@@ -115,6 +115,27 @@ def test_a_turn_streams_as_engine_events_and_matches_the_server(server: Backgrou
     assert not b.is_alive
 
 
+def test_a_salted_conversation_shares_the_servers_cache_only_with_its_salt(server: BackgroundServer) -> None:
+    b, events = backend(server.url, api_key="k3y")
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        # a system prompt no other test sends: none of its blocks is cached yet, under any salt
+        messages = [{"role": "system", "content": "You tend a community garden and answer briefly. " * 10},
+                    {"role": "user", "content": "a salted question about gardens"}]
+
+        def prefilled(cid: str) -> int:
+            end = events.end_of(b.submit_turn(cid, messages, params))
+            assert isinstance(end, Finished), end
+            return end.usage.prefilled_tokens
+
+        salted = b.new_conversation(cache_salt="tenant-x")
+        first = prefilled(salted)
+        assert prefilled(b.new_conversation()) == first  # unsalted: none of the salted blocks
+        assert prefilled(b.fork_conversation(salted)) < first  # a fork keeps the salt: the cache hits
+    finally:
+        b.shutdown()
+
+
 def test_alternatives_fall_back_to_separate_requests_when_n_is_refused() -> None:
     s = _server(max_n=1)  # as llama.cpp's server: n > 1 is a 400
     b, events = backend(s.url + "/v1", model="demo")

@@ -146,6 +146,47 @@ def test_resent_history_hits_the_prefix_cache(server: BackgroundServer) -> None:
     assert cached < second.usage.prompt_tokens
 
 
+def test_logprobs_in_chat_streamed_and_not_and_in_completions(server: BackgroundServer) -> None:
+    c = client(server)
+    kw = dict(model="demo", messages=chat("Count to five."), max_tokens=6, temperature=0, logprobs=True,
+              top_logprobs=3, extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely token was chosen
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert bytes(entry.bytes) == entry.token.encode()
+    streamed = [e for ch in c.chat.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    # without logprobs, none are sent
+    assert c.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None}).choices[0].logprobs is None
+
+    done = c.completions.create(model="demo", prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2,
+                                extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs,
+                                                                                     lp.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_cache_salt_keeps_tenants_caches_apart(server: BackgroundServer) -> None:
+    c = client(server)
+    messages = chat("a tenant's private document " * 10)
+
+    def cached(salt: str) -> int:
+        reply = c.chat.completions.create(model="demo", messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"cache_salt": salt})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    cached("tenant-a")
+    assert cached("tenant-b") == 0  # the same prompt, another salt: computed anew
+    assert cached("tenant-a") >= 16  # the first tenant's blocks are still there for it
+
+
 # ---------------------------------------------------------------------- bad requests
 GOOD = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 BAD: list[tuple[str, bytes | dict, int, str | None]] = [
@@ -162,6 +203,16 @@ BAD: list[tuple[str, bytes | dict, int, str | None]] = [
      400, "messages"),
     ("max_tokens past the context", {**GOOD, "max_tokens": 5000}, 400, "max_tokens"),
     ("empty messages", {**GOOD, "messages": []}, 400, "messages"),
+    # fields of the API rosechat does not implement: refused, never silently ignored
+    ("JSON mode", {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("tools", {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs over 20", {**GOOD, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("a presence penalty", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    # a misspelled field is not dropped without a word
+    ("unknown field", {**GOOD, "temprature": 0.2}, 400, "temprature"),
+    ("unknown field in a message", {**GOOD, "messages": [{"role": "user", "content": "x", "mood": 1}]}, 400,
+     "messages.0.mood"),
 ]
 
 
@@ -178,6 +229,32 @@ def test_bad_request_gets_an_openai_error_and_the_server_goes_on(server, name, b
     assert err["param"] == param
     ok = httpx.post(url, json=GOOD, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_neutral_values_of_unimplemented_fields_and_harmless_ones_pass(server: BackgroundServer) -> None:
+    """What SDKs send by default asks for nothing: presence_penalty 0, a text response format, a user id."""
+    body = {**GOOD, "presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},
+            "user": "u-1", "logprobs": False, "tool_choice": "auto"}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_fields_pass_where_the_server_allows_them() -> None:
+    for server in _serve(allow_unknown_fields=True):
+        url = f"{server.url}/v1/chat/completions"
+        assert httpx.post(url, json={**GOOD, "temprature": 0.2}, timeout=60).status_code == 200
+        # what rosechat does not implement is refused all the same
+        assert httpx.post(url, json={**GOOD, "response_format": {"type": "json_object"}},
+                          timeout=60).status_code == 400
+
+
+def test_openapi_describes_the_real_schema(server: BackgroundServer) -> None:
+    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "temperature", "cache_salt", "seed"} <= set(chat)
+    assert {"logprobs", "top_logprobs"} <= set(chat)
+    assert not {"tools", "response_format", "presence_penalty"} & set(chat)  # refused: not in the schema
+    assert httpx.get(f"{server.url}/docs", timeout=30).status_code == 200
 
 
 def test_bad_requests_through_the_openai_client(server: BackgroundServer) -> None:

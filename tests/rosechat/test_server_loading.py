@@ -12,7 +12,7 @@ import httpx
 import openai
 
 from engine import LLMEngine
-from engine.loader import Stages
+from engine.weights.loader import Stages
 from rosechat.bench.server_process import ServerProcess
 from rosechat.server.app import ServerSettings, create_app
 from rosechat.server.loading import LoadingServer

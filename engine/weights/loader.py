@@ -1,18 +1,18 @@
 """Load a model: a GGUF file, a Hugging Face folder or hub id, a model a registry package ships,
 or the built-in demo.
 
-`resolve_model` finds the model and checks what can be checked without loading weights, so a
-front end can refuse a bad name before it starts. `load_model` then builds the model with
-uninitialised parameters on the target device and copies the checkpoint in tensor by tensor, so
-no second full copy exists. Safetensors are read with `safetensors`; GGUF files with the `gguf`
-package (see gguf_file.py). `transformers` gives the config, tokenizer and chat template.
+`resolve_model` (source.py) finds the model and checks what can be checked without loading weights,
+so a front end can refuse a bad name before it starts. `load_model` then builds the model with
+uninitialised parameters on the target device and copies the checkpoint in tensor by tensor
+(checkpoint.py), so no second full copy exists. Safetensors are read with `safetensors`; GGUF files
+with the `gguf` package (gguf.py). `transformers` gives the config, tokenizer and chat template.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,21 +22,14 @@ from torch import Tensor, nn
 from torch.nn import init
 from torch.overrides import TorchFunctionMode
 
-from engine import defaults, demo, quant
+from engine import defaults, demo
 from engine.events import LoadProgress
-from engine.gguf_file import GGUFModel
-from engine.model_source import (  # noqa: F401  (re-exported: engine.loader is where they were)
-    PACKAGED_MODELS,
-    ModelNotFoundError,
-    ModelSource,
-    checkpoint_files,
-    generation_defaults,
-    packaged_model_path,
-    resolve_model,
-    resolve_model_path,
-)
 from engine.models import get_model_class
-from engine.models.layers import MergedLinear
+from engine.weights.checkpoint import WeightLoadError, load_weights
+from engine.weights.gguf import GGUFModel, drop_mapped_pages
+from engine.weights.packing import check_packing, packable_modules, plan_packing, release_freed_memory, swap_in_packed
+from engine.weights.routes import kernels_available
+from engine.weights.source import ModelSource, generation_defaults, resolve_model
 from kernels.cpu import ops as cpu_ops
 
 Progress = Callable[[LoadProgress], None]  # how far loading is
@@ -51,10 +44,6 @@ class Stages:
     def __call__(self, stage: str, done: int = 0, total: int = 0) -> None:
         if self.progress is not None:
             self.progress(LoadProgress(stage, done, total, time.monotonic() - self.start))
-
-
-class WeightLoadError(ValueError):
-    """The checkpoint does not fit the model: a missing tensor, an unexpected one, or a wrong shape."""
 
 
 @dataclass
@@ -89,7 +78,7 @@ def load_model(
     """Load `model` (a name for resolve_model, or what it returned). Raises ModelNotFoundError
     when it is nowhere, ValueError (WeightLoadError, GGUFError) when it cannot be loaded.
 
-    `quantization` (engine/quant.py): "none" dequantizes a GGUF file's weights to `dtype`; "int4" /
+    `quantization` (packing.py): "none" dequantizes a GGUF file's weights to `dtype`; "int4" /
     "int8" keep every linear layer (and a tied head's embedding) packed; "auto" keeps each GGUF
     tensor's precision class (Q4 -> int4, Q8_0 -> int8, float -> dense). None: the source's own
     setting (ModelSource.quantization, "auto" unless set). "auto" dtype, device and quantization are
@@ -103,7 +92,7 @@ def load_model(
     if device.type == "cpu" and cpu_ops.supported_cpu():
         say("building the CPU kernels (once)" if cpu_ops.needs_build() else "loading the CPU kernels")
         cpu_ops.available()
-    if quantization == "auto" and not quant.kernels_available(device):
+    if quantization == "auto" and not kernels_available(device):
         quantization = "none"  # "auto" packs only where there are kernels for it: dequantize elsewhere
     if source.kind == "demo":
         return _load_demo(source.name, dtype, device)
@@ -117,15 +106,15 @@ def load_model(
     config = AutoConfig.from_pretrained(path)
     if quantization in ("int8", "int4"):  # weight-only quantization at load ("auto": as stored)
         net = build_model(config, dtype, torch.device("meta"))
-        _check_packing(net, quantization, device)
-        quant.swap_in_packed(net, {name: quantization for name in _packable(net)}, dtype, device)
+        check_packing(net, quantization, device)
+        swap_in_packed(net, {name: quantization for name in packable_modules(net)}, dtype, device)
         net = net.to_empty(device=device).requires_grad_(False)
     else:
         net = build_model(config, dtype, device)
     say("loading weights")
     load_weights(net, path)
     if quantization in ("int8", "int4"):
-        quant.release_freed_memory()
+        release_freed_memory()
     net.eval()
     say("reading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -143,7 +132,7 @@ def _load_gguf(
     gguf = source.gguf or GGUFModel(source.path)
     config, tokenizer = gguf.config_and_tokenizer(say)
     net = build_model(config, dtype, torch.device("meta"))
-    raw = _plan_packing(net, config, gguf, quantization, device, dtype)
+    raw = plan_packing(net, config, gguf, quantization, device, dtype)
     net = net.to_empty(device=device).requires_grad_(False)
     stage = "repacking weights" if raw else "loading weights"
     say(stage, 0, len(gguf.reader.tensors))
@@ -161,8 +150,8 @@ def _load_gguf(
     loaded.generation_source = "GGUF metadata" if loaded.generation_defaults else ""
     # Every weight is a copy (packed or dense) and the metadata is read: the file's pages that came
     # back (staged shards, rope_freqs, the header) go too, so the model is resident once.
-    quant.drop_mapped_pages(gguf.reader.data)
-    quant.release_freed_memory()  # packing's and dequantizing's temporaries
+    drop_mapped_pages(gguf.reader.data)
+    release_freed_memory()  # packing's and dequantizing's temporaries
     return loaded
 
 
@@ -171,56 +160,6 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") 
     if isinstance(dtype, torch.dtype):
         return dtype
     return defaults.resolve(str(torch.device(device)), dtype, "none").torch_dtype
-
-
-def _plan_packing(
-    net: nn.Module, config: Any, gguf: GGUFModel, quantization: str, device: torch.device, dtype: torch.dtype
-) -> set[str]:
-    """Swap the modules `quantization` packs into packed ones (the model is still on meta) and
-    return the checkpoint names to read as raw GGUF blocks."""
-    if quantization == "none":
-        return set()
-    if gguf.arch == "gpt2" and quantization == "auto":
-        return set()
-    _check_packing(net, quantization, device)
-    packable = _packable(net)
-    modes: dict[str, str] = {}
-    raw: set[str] = set()
-    for hf, type_name in gguf.tensor_types(net, config).items():
-        target = net.weight_target(hf)
-        if target is None or not target[0].endswith(".weight"):
-            continue
-        module = target[0].rpartition(".")[0]
-        if module not in packable:
-            continue
-        mode = quant.auto_mode(type_name) if quantization == "auto" else quantization
-        if mode == "none":
-            continue
-        if modes.get(module) not in (None, mode):  # shards of mixed classes (Q4_K_M's v): the wider
-            mode = "int8"
-        modes[module] = mode
-        raw.add(hf)
-    quant.swap_in_packed(net, modes, dtype, device)
-    return raw
-
-
-def _check_packing(net: nn.Module, quantization: str, device: torch.device) -> None:
-    if not quant.kernels_available(device):
-        raise ValueError(f"quantization {quantization!r} needs packed-weight kernels, and there are none for "
-                         f"{device} here ({quant.route(device)}): use quantization 'none' or 'auto'")
-    if not hasattr(net, "packed_modules") or type(net).__name__.startswith("GPT2"):
-        raise ValueError("packed weights are not supported for GPT-2 models yet: use quantization 'none' or 'auto'")
-
-
-def _packable(net: nn.Module) -> set[str]:
-    """The modules a packed load replaces: every linear layer, and the token embedding when it is
-    also the head (tied); an untied model's embedding only looks rows up and stays dense."""
-    packable = set(quant.packable_modules(net))
-    if getattr(net, "lm_head", None) is None:
-        packable.discard("lm_head")
-    else:
-        packable = {n for n in packable if not n.endswith(("embed_tokens", "wte"))}
-    return packable
 
 
 def build_model(config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -251,95 +190,6 @@ class _SkipMetaInit(TorchFunctionMode):
             if isinstance(tensor, Tensor) and tensor.is_meta:
                 return tensor
         return func(*args, **kwargs)
-
-
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, Tensor, str]]:
-    """(name, tensor, file name) for every tensor of a (possibly sharded) safetensors checkpoint."""
-    from safetensors import safe_open
-
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name), file.name
-
-
-def load_weights(
-    model: nn.Module, checkpoint: Path | Iterable[tuple[str, Tensor, str]], where: str | None = None
-) -> None:
-    """Copy every checkpoint tensor into its parameter (rows of a merged projection, transposed
-    for GPT-2's Conv1D) and check that every parameter was filled. `checkpoint` is a safetensors
-    folder, or (Hugging Face name, tensor, file name) triples from another format."""
-    params = dict(model.named_parameters())
-    packed = quant.packed_modules(model)  # modules whose weight stays packed (engine/quant.py)
-    loaded: dict[str, set[int | None]] = {}
-    arch = type(model).__name__
-    if isinstance(checkpoint, (str, Path)):
-        checkpoint, where = iter_checkpoint(Path(checkpoint)), where or str(checkpoint)
-    for name, tensor, file in checkpoint:
-        target = model.weight_target(name)
-        if target is None:
-            continue
-        param_name, shard, transpose = target
-        module_name, _, leaf = param_name.rpartition(".")
-        if leaf == "weight" and module_name in packed:
-            module = packed[module_name]
-            try:
-                module.load_shard(shard, tensor.t() if transpose and isinstance(tensor, Tensor) else tensor)
-            except ValueError as e:
-                raise WeightLoadError(f"tensor {name!r} in {file} does not fit {param_name}: {e}") from e
-            if not module.missing_shards():
-                module.finish()  # packed as soon as complete: the staged shards go at once
-            continue
-        param = params.get(param_name)
-        if param is None:
-            raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {arch} has no parameter {param_name!r}")
-        dst = param  # not .data: writing the parameter bumps its version, which cached packed copies check
-        where = param_name
-        if shard is not None:
-            start, rows = _merged_module(model, param_name).shard_rows(shard)
-            dst = dst.narrow(0, start, rows)
-            where = f"{param_name} rows {start}:{start + rows}"
-        src = tensor.t() if transpose else tensor
-        if src.shape != dst.shape:
-            raise WeightLoadError(
-                f"tensor {name!r} in {file} has shape {tuple(tensor.shape)}"
-                f"{' (transposed: ' + str(tuple(src.shape)) + ')' if transpose else ''}, "
-                f"but {arch} expects {tuple(dst.shape)} for {where}"
-            )
-        with torch.no_grad():
-            dst.copy_(src)
-        loaded.setdefault(param_name, set()).add(shard)
-
-    missing = []
-    for param_name in params:
-        module = _merged_module(model, param_name)
-        if module is None:
-            if param_name not in loaded:
-                missing.append(param_name)
-            continue
-        # name the checkpoint tensors (q_proj, up_proj, ...) a merged parameter still lacks
-        parts = param_name.split(".")
-        for part, (merged, shard) in getattr(model, "packed_modules", {}).items():
-            if merged == parts[-2] and shard not in loaded.get(param_name, set()):
-                missing.append(".".join([*parts[:-2], part, parts[-1]]))
-    for module_name, module in packed.items():
-        sizes = getattr(module, "output_sizes", [0])
-        for shard in module.missing_shards():
-            missing.append(f"{module_name}.weight" + (f" (shard {shard})" if len(sizes) > 1 else ""))
-    if missing:
-        raise WeightLoadError(
-            f"checkpoint {where} lacks {len(missing)} tensor(s) that {arch} needs: {', '.join(missing[:8])}"
-            + (" ..." if len(missing) > 8 else "")
-        )
-    for module in packed.values():
-        module.finish()  # pack once; the staged shards are dropped
-
-
-def _merged_module(model: nn.Module, param_name: str) -> MergedLinear | quant.PackedLinear | None:
-    module = model.get_submodule(param_name.rpartition(".")[0])
-    if isinstance(module, quant.PackedLinear) and len(module.output_sizes) > 1:  # its bias is merged too
-        return module
-    return module if isinstance(module, MergedLinear) else None
 
 
 def max_model_len(config: Any) -> int:
@@ -398,16 +248,10 @@ def _load_demo(name: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
 
 __all__ = [
     "LoadedModel",
-    "ModelNotFoundError",
-    "WeightLoadError",
+    "Progress",
+    "Stages",
     "build_model",
     "load_model",
-    "load_weights",
-    "ModelSource",
-    "PACKAGED_MODELS",
-    "generation_defaults",
-    "packaged_model_path",
+    "max_model_len",
     "resolve_dtype",
-    "resolve_model",
-    "resolve_model_path",
 ]

@@ -3,7 +3,7 @@
 Read with maintained code only: the `gguf` package (llama.cpp's own reader and dequantizers) for
 the tensors and metadata, and `transformers`' GGUF integration (`gguf_file=`) for the config,
 the tokenizer and the chat template. Quantized tensors are dequantized at load, or handed over as
-their raw blocks for a packed load (engine/quant.py).
+their raw blocks (blocks.GGUFBlocks) for a packed load (packing.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from engine.weights.blocks import GGUFBlocks
 
 GGUF_MAGIC = b"GGUF"
 
@@ -195,14 +197,12 @@ class GGUFModel:
         raw: set[str] | frozenset[str] = frozenset(),
     ) -> Iterator[tuple[str, Any, str]]:
         """(checkpoint name, dense float32 tensor, file name) in Hugging Face naming, for load_weights.
-        Quantized tensors named in `raw` come as their GGUF blocks (engine.quant.GGUFBlocks) instead,
+        Quantized tensors named in `raw` come as their GGUF blocks (GGUFBlocks) instead,
         for a packed load.
 
         The memory-mapped file's pages are dropped as the consumer takes each tensor (copies or
         packs it), so the file is not resident alongside its copy while loading."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
-
-        from engine.quant import GGUFBlocks, drop_mapped_pages
 
         names = self._hf_names(model, config)
         tensors = self.reader.tensors
@@ -285,4 +285,24 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-__all__ = ["ARCHITECTURES", "GGUFError", "GGUFModel", "find_in_folder", "is_gguf", "permute_qk"]
+def drop_mapped_pages(array: Any, start: int = 0, length: int | None = None) -> None:
+    """Let the OS drop the pages of a memory-mapped file read during loading (gguf's reader maps
+    the whole file), all of them or the bytes [start, start + length) of the mapping: they are clean
+    and count as resident until dropped; a later read faults them back in from the file (the map
+    is read-only: nothing written is lost)."""
+    import mmap
+
+    mapping = getattr(array, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    first = start - start % mmap.PAGESIZE  # madvise takes whole pages: the neighbours' may go too
+    end = len(mapping) if length is None else min(len(mapping), start + length)
+    if end <= first:
+        return
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+    except (OSError, ValueError):
+        pass
+
+
+__all__ = ["ARCHITECTURES", "GGUFError", "GGUFModel", "drop_mapped_pages", "find_in_folder", "is_gguf", "permute_qk"]

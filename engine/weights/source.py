@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import demo
-from engine.gguf_file import GGUFModel, find_in_folder, is_gguf
 from engine.models import get_model_class
+from engine.weights.gguf import GGUFModel, find_in_folder, is_gguf
 
 # what a model folder needs from the hub (no .bin / .pth / onnx duplicates)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
@@ -48,7 +48,7 @@ class ModelSource:
     kind: str  # "demo", "hf" (a folder with config.json) or "gguf"
     path: Path | None = None
     gguf: GGUFModel | None = None  # the opened file (its metadata is read once)
-    quantization: str = "auto"  # load_model's default for it: auto | none | int8 | int4 (engine/quant.py)
+    quantization: str = "auto"  # load_model's default for it: auto | none | int8 | int4 (packing.py)
 
     @property
     def display_name(self) -> str:

@@ -1,0 +1,18 @@
+"""Weights: how a checkpoint's tensor becomes the operand a kernel multiplies.
+
+    source.py      where a model comes from (demo, packaged, GGUF file, HF folder or hub id), checked
+                   without reading weights
+    gguf.py        a GGUF file through the `gguf` package: config, tokenizer, tensors (dense, or raw
+                   blocks for a packed load)
+    blocks.py      GGUFBlocks: a quantized matrix as its raw GGUF blocks; GGML's byte layout
+    q4.py          the 4-bit format: Q4_0 / Q4_1 / Q4_K -> Q4Weight (our CPU kernels), Int4Weight (torch's)
+    q8.py          the 8-bit format: Q8_0 -> Q8Weight (our CPU kernels), Int8Weight (torch's)
+    packed.py      PackedWeight, what a packed operand offers; BlockWeight; GPUBlockWeight (Triton)
+    routes.py      which kernels multiply packed weights on a device, and pack(): one matrix for them
+    packing.py     PackedLinear / PackedEmbedding, and which modules a load packs in which format
+    checkpoint.py  load_weights: checkpoint tensors into a built model's parameters and packed modules
+    loader.py      load_model: a name to a LoadedModel, through all of the above
+
+Callers import from the modules themselves; this package imports nothing, since engine.models imports
+packed.py (BlockWeight) while loader.py imports engine.models.
+"""

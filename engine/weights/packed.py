@@ -1,0 +1,110 @@
+"""What a kernel multiplies: `PackedWeight`, a packed [out, in] matrix standing where a dense weight
+stood (routes.pack makes them).
+
+The interface and the classes every format shares live here; each format's CPU operands live with
+the format (q4.py: `Q4Weight`, `Int4Weight`; q8.py: `Q8Weight`, `Int8Weight`). `BlockWeight` is the
+base of ours, multiplied by kernels/cpu/quant.cpp. On CUDA, `GPUBlockWeight` holds either format's
+blocks of 32 in GGML's byte order, multiplied by kernels/triton/quant.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import kernels
+from engine.weights.blocks import GROUP, ggml_nibbles
+
+COMPUTE_DTYPE = torch.bfloat16  # the activations torch's weight-only CPU kernels are fast with
+
+
+class PackedWeight:
+    """A packed [out, in] matrix standing where a dense weight stood: `linear(x, weight)` in
+    engine.models.layers calls `weight.linear(x, bias)`, and an embedding calls `rows(ids)`."""
+
+    mode: str
+    shape: tuple[int, int]
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    # a few tensor-like attributes callers read
+    @property
+    def dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPE
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def block_rows(q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
+    """fp32 rows of GGML-order blocks of 32: q4 bytes [..., K/2] (byte j of a block: element j low,
+    j + 16 high; w = q * d + m) or q8 int8 [..., K] (w = q * d, m None); d, m [..., K/32]."""
+    if m is None:
+        return (q.view(*q.shape[:-1], -1, GROUP).float() * d[..., None]).flatten(-2)
+    w = ggml_nibbles(q.view(*q.shape[:-1], -1, GROUP // 2)).float()
+    return (w * d[..., None] + m[..., None]).flatten(-2)
+
+
+class BlockWeight(PackedWeight):
+    """Blocks of 32 multiplied by kernels/cpu/quant.cpp: float32 in and out, whatever the model's dtype."""
+
+    dtype = torch.float32
+
+    def _matmul(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        if bias is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            return self._matmul(x)  # a decode step's usual case, without the reshapes
+        out = self._matmul(x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous())
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+        return out if bias is None else out + bias
+
+    def dequantize(self) -> Tensor:
+        return self.rows(torch.arange(self.shape[0]), torch.float32)
+
+
+class GPUBlockWeight(PackedWeight):
+    """Blocks of 32 on a GPU, multiplied by the Triton kernel (kernels.block_linear) in the
+    activations' dtype: int4 nibbles uint8 [out, in/2] in GGML order with w = q * d + m, or int8
+    [out, in] with w = q * d; d and m float32 [out, in/32] (exact for every Q4/Q8 block type)."""
+
+    def __init__(self, qs: Tensor, d: Tensor, m: Tensor | None, device: torch.device) -> None:
+        self.mode = "int8" if m is None else "int4"
+        self.shape = (qs.shape[0], qs.shape[1] * (1 if m is None else 2))
+        self.qs = qs.contiguous().to(device)
+        self.d = d.float().contiguous().to(device)
+        self.m = None if m is None else m.float().contiguous().to(device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.d.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        out = kernels.block_linear(x.reshape(-1, x.shape[-1]), self.qs, self.d, self.m)
+        out = out.reshape(*x.shape[:-1], self.shape[0])
+        return out if bias is None else out + bias
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        return block_rows(self.qs[ids], self.d[ids], None if self.m is None else self.m[ids]).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
+
+    def dequantize(self) -> Tensor:
+        return self.rows(torch.arange(self.shape[0], device=self.qs.device), torch.float32)

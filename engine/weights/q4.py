@@ -1,0 +1,165 @@
+"""The 4-bit format ("int4"): GGUF's Q4_0, Q4_1 and Q4_K blocks, or any other weight quantized to
+4 bits, as the operand of each route (routes.py picks the route):
+
+- ours (kernels/cpu/quant.cpp; on CUDA packed.GPUBlockWeight, same blocks): nibbles in blocks of 32
+  with a scale and a minimum per block, `w = q * d + m` (`q4_from_blocks` -> `Q4Weight`): Q4_0, Q4_1
+  and Q4_K's sub-blocks exactly;
+- torch's (`aten._weight_int4pack_mm_for_cpu`, the CPU fallback): int4 groups of 32 with a scale and a
+  zero, `w = (q - 8) * scale + zero` (`int4_from_blocks` -> `Int4Weight`): the same types exactly, only
+  the scales round to bf16.
+
+Any other tensor (Q5_x, Q6_K, float) is quantized by min/max per group of 32 (`quantize_int4`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.weights.blocks import GROUP, GGUFBlocks, f16_field, ggml_nibbles
+from engine.weights.packed import COMPUTE_DTYPE, BlockWeight, PackedWeight
+from kernels.cpu import ops as cpu_ops
+
+# GGUF block types that map exactly onto the 4-bit forms, by name (gguf.GGMLQuantizationType)
+_INT4_EXACT = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def _q4_k(data: Tensor, out_f: int, in_f: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_K super-blocks (256 weights, 144 bytes: d, dmin, 12 bytes of 6-bit scales and mins for
+    8 sub-blocks of 32, 128 bytes of nibbles): sub-block j is `d * sc_j * q - dmin * m_j`.
+    Returns (q uint8 [out, in], scale, minimum [out, in/32]): `w = q * scale + minimum`."""
+    d, dmin = f16_field(data, 0), f16_field(data, 2)  # [out, supers]
+    sc_bytes = data[..., 4:16].to(torch.int32)
+    low, high = sc_bytes[..., 0:4], sc_bytes[..., 4:8]
+    extra = sc_bytes[..., 8:12]
+    # llama.cpp's get_scale_min_k4: 6-bit scale and min of sub-blocks 0-3, then 4-7
+    sc = torch.cat((low & 63, (extra & 0x0F) | ((low >> 6) << 4)), dim=-1).float()
+    mn = torch.cat((high & 63, (extra >> 4) | ((high >> 6) << 4)), dim=-1).float()
+    qs = data[..., 16:144].reshape(*data.shape[:-1], 4, 32)  # 4 chunks of 64 weights
+    q = torch.stack((qs & 0x0F, qs >> 4), dim=-2).reshape(out_f, in_f)  # chunk i: low nibbles, then high
+    return q, (d[..., None] * sc).reshape(out_f, -1), (-dmin[..., None] * mn).reshape(out_f, -1)
+
+
+# ------------------------------------------------------------ blocks of 32 for kernels/cpu/quant.cpp
+def nibbles(q: Tensor) -> Tensor:
+    """uint8 [out, in] in 0..15 -> [out, in/2] in GGML's order (per 32: byte j = q[j] | q[j + 16] << 4)."""
+    out_f, in_f = q.shape
+    g = q.view(out_f, in_f // GROUP, 2, GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(out_f, in_f // 2)
+
+
+def q4_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Q4_0 / Q4_1 / Q4_K -> (nibbles uint8 [out, in/2], d, m float32 [out, in/32]), exact:
+    `w = q * d + m` per block of 32; None for other types."""
+    out_f, in_f = blocks.shape
+    if blocks.type_name == "Q4_K":
+        q, scale, minimum = _q4_k(torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // 256, -1), out_f, in_f)
+        return nibbles(q), scale, minimum
+    if blocks.type_name not in ("Q4_0", "Q4_1"):
+        return None
+    data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // GROUP, -1)  # a writable copy
+    d = f16_field(data, 0)
+    if blocks.type_name == "Q4_0":  # (q - 8) * d
+        return data[..., 2:18].reshape(out_f, in_f // 2).contiguous(), d, -8 * d
+    return data[..., 4:20].reshape(out_f, in_f // 2).contiguous(), d, f16_field(data, 2)
+
+
+class Q4Weight(BlockWeight):
+    """GGUF-style 4-bit blocks: nibbles [out, in/2] in GGML order, d and m [out, in/32]: w = q * d + m.
+    The nibbles are kept in the kernel's layout (cpu_ops.pack_q4: block pairs interleaved)."""
+
+    mode = "int4"
+
+    def __init__(self, qs: Tensor, d: Tensor, m: Tensor) -> None:
+        self.shape = (qs.shape[0], qs.shape[1] * 2)
+        self.qs, self.d, self.m = cpu_ops.pack_q4(qs), cpu_ops.pack_scales(d), cpu_ops.pack_scales(m)
+
+    def _matmul(self, x: Tensor) -> Tensor:
+        return cpu_ops.q4_linear(x, self.qs, self.d, self.m)
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        return cpu_ops.q4_rows(self.qs, self.d, self.m, ids).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+
+# ------------------------------------------------------------ int4 groups of 32 for torch's kernel
+def int4_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Q4_0/Q4_1/Q4_K blocks -> (q uint8 [out, in] in 0..15, scale [out, in/32], zero [out, in/32])
+    (float32, exact: `w = (q - 8) * scale + zero`); None for other types."""
+    if blocks.type_name not in _INT4_EXACT:
+        return None
+    out_f, in_f = blocks.shape
+    if blocks.type_name == "Q4_K":
+        data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // 256, -1)
+        q, scale, minimum = _q4_k(data, out_f, in_f)
+        return q, scale, minimum + 8 * scale
+    data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // GROUP, -1)  # a writable copy
+    d = f16_field(data, 0)
+    if blocks.type_name == "Q4_0":
+        q, zero = ggml_nibbles(data[..., 2:18]), torch.zeros_like(d)
+    else:
+        q, zero = ggml_nibbles(data[..., 4:20]), f16_field(data, 2) + 8 * d
+    return q.reshape(out_f, in_f), d, zero
+
+
+def quantize_int4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Dense [out, in] -> (q uint8 0..15, scale, zero) per group of 32 by min/max."""
+    out_f, in_f = w.shape
+    g = w.float().reshape(out_f, in_f // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((g - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+    return q.reshape(out_f, in_f), scale, lo + 8 * scale
+
+
+class Int4Weight(PackedWeight):
+    mode = "int4"
+
+    def __init__(self, q: Tensor, scale: Tensor, zero: Tensor, keep_rows: bool = False) -> None:
+        """q uint8 [out, in] 0..15, scale/zero float [out, in/32]. keep_rows also keeps q in a plain
+        nibble layout for row lookups (an embedding: the kernel's packed layout is opaque)."""
+        out_f, in_f = q.shape
+        self.shape = (out_f, in_f)
+        self.row_nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous() if keep_rows else None
+        pad = -out_f % 16  # the kernel's packing takes rows in multiples of 16: zero rows, sliced off
+        if pad:
+            q = torch.cat((q, q.new_full((pad, in_f), 8)))
+            scale, zero = torch.cat((scale, scale.new_zeros(pad, scale.shape[1]))), torch.cat(
+                (zero, zero.new_zeros(pad, zero.shape[1])))
+        self.padded_rows = out_f + pad
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        # [in/32, out, 2] as the kernel takes it
+        self.scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(COMPUTE_DTYPE).contiguous()
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
+        if self.padded_rows != self.shape[0]:
+            out = out[:, : self.shape[0]]
+        out = out.to(x.dtype).reshape(*shape[:-1], self.shape[0])
+        return out if bias is None else out + bias
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        if self.row_nibbles is None:
+            raise RuntimeError("this int4 weight was packed without its rows (not an embedding)")
+        nib = self.row_nibbles[ids]
+        q = torch.stack((nib & 0x0F, nib >> 4), dim=-1).reshape(*ids.shape, self.shape[1]).float()
+        sz = self.scales_zeros[:, ids].float()  # [in/32, *ids, 2]
+        scale = sz[..., 0].movedim(0, -1).repeat_interleave(GROUP, dim=-1)
+        zero = sz[..., 1].movedim(0, -1).repeat_interleave(GROUP, dim=-1)
+        return ((q - 8) * scale + zero).to(dtype)
+
+    def nbytes(self) -> int:
+        extra = 0 if self.row_nibbles is None else self.row_nibbles.nbytes
+        return self.packed.nbytes + self.scales_zeros.nbytes + extra
+
+    def dequantize(self) -> Tensor:
+        """fp32 [out, in] as the kernel sees it (for tests): one identity matmul."""
+        eye = torch.eye(self.shape[1], dtype=COMPUTE_DTYPE)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros)
+        return out[:, : self.shape[0]].float().t()

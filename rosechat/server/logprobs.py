@@ -1,0 +1,41 @@
+"""Logprobs in the OpenAI API's two shapes: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`
+and legacy completions' parallel lists (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine import TokenLogprob
+
+
+class LogprobFormatter:
+    """Token ids to the API's token strings: each token decoded alone, cached (a vocabulary is finite)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def token(self, token_id: int) -> str:
+        if token_id not in self._text:
+            self._text[token_id] = self.tokenizer.decode([token_id])
+        return self._text[token_id]
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def chat(self, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in lps],
+                "refusal": None}
+
+    def completion(self, lps: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+        """`offset`: where this piece's text starts in the completion (for text_offset)."""
+        tokens = [self.token(lp.token_id) for lp in lps]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}

@@ -1,0 +1,82 @@
+"""Logprobs: the sampled token's log-probability under the distribution it was drawn from (after the
+repetition penalty and the temperature), checked against log_softmax of the engine's own logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.sampler import apply_repetition_penalty
+from tests.helpers import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
+    path = make_tiny_model(tmp_path_factory.mktemp("logprobs") / "m", "llama")
+    return LLMEngine.from_pretrained(str(path), device="cpu", block_size=8, num_blocks=64)
+
+
+def _reference(engine: LLMEngine, prompt: list[int], output: list[int], penalty: float = 1.0,
+               temperature: float = 0.0) -> torch.Tensor:
+    """[len(output), vocab] log-probabilities from score(): the engine's logits at each output position."""
+    logits = engine.score(prompt + output)[len(prompt) - 1 : -1].float()
+    if penalty != 1.0:  # over prompt + output so far, as SamplingParams without a window
+        seen = [prompt + output[:i] for i in range(len(output))]
+        logits = apply_repetition_penalty(logits, seen, torch.full((len(output),), penalty))
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+
+
+@pytest.mark.parametrize("penalty,temperature", [(1.0, 0.0), (1.3, 0.0), (1.0, 0.8), (1.2, 0.6)])
+def test_logprobs_are_log_softmax_of_the_engines_own_logits(engine: LLMEngine, penalty: float,
+                                                            temperature: float) -> None:
+    prompt = [5, 9, 14, 3, 22, 7, 11, 30, 2, 17]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3, repetition_penalty=penalty,
+                            temperature=temperature, seed=4)
+    out = engine.generate([prompt], params)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 12
+    ref = _reference(engine, prompt, out.token_ids, penalty, temperature)
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(float(ref[i, token]), abs=1e-4)
+        top_v, top_i = ref[i].topk(3)
+        assert [t for t, _ in lp.top] == top_i.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top_v.tolist(), abs=1e-4)
+        if temperature == 0.0:  # greedy: the chosen token is the most likely one
+            assert lp.top[0][0] == token
+
+
+def test_only_the_rows_that_ask_get_logprobs_and_tokens_do_not_change(engine: LLMEngine) -> None:
+    prompts = [[5, 9, 14, 3], [22, 7, 11, 30, 2]]
+    plain = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    mixed = engine.generate(prompts, [SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0),
+                                      SamplingParams(max_tokens=8, ignore_eos=True)])
+    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in plain]
+    asked, other = mixed[0].outputs[0], mixed[1].outputs[0]
+    assert other.logprobs is None
+    assert asked.logprobs is not None and all(lp.top == () for lp in asked.logprobs)
+
+
+def test_deltas_carry_the_logprobs_of_their_tokens(engine: LLMEngine) -> None:
+    rid = engine.add_request([5, 9, 14, 3], SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1, n=2,
+                                                           temperature=1.0, seed=1))
+    per_sample: dict[int, list] = {0: [], 1: []}
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid
+            for (index, _), lps in zip(out.deltas, out.delta_logprobs):
+                per_sample[index] += lps
+            final = out
+    assert final is not None and final.finished
+    finished = final.events[-1]
+    for o in final.outputs:
+        assert per_sample[o.index] == o.logprobs == list(finished.logprobs[o.index])
+        assert [lp.token_id for lp in o.logprobs] == o.token_ids
+
+
+def test_logprobs_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-1)
