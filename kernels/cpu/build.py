@@ -16,7 +16,12 @@ from kernels.cpu import ops as cpu_ops
 
 def build_one(isa: str) -> None:
     """Build the `isa` variant (in a process of its own: building loads the library, and two variants
-    register the same operators)."""
+    register the same operators). A variant this CPU cannot run is compiled, not loaded: loading runs its
+    static initialisers, compiled for that ISA (an AVX2 machine dies of SIGILL loading the avx512 one)."""
+    import torch
+
+    if isa not in cpu_isa.runnable(cpu_isa.cpu_flags()):
+        torch.ops.load_library = lambda path: None  # this child process only builds
     where = cpu_ops.build_dir(isa)
     cpu_ops._compile(isa, where, where / "built")
 
@@ -53,7 +58,8 @@ def main(argv: list[str]) -> int:
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
             print(f"failed: {lines[-1] if lines else f'exit {done.returncode}'}")
             continue
-        print(f"{time.perf_counter() - t0:.1f} s, in {where}")
+        runs = isa in cpu_isa.runnable(cpu_isa.cpu_flags())
+        print(f"{time.perf_counter() - t0:.1f} s, in {where}" + ("" if runs else " (this CPU does not run it)"))
     _prune([cpu_ops.build_dir(isa) for isa in cpu_isa.BUILT])
     print(f"this CPU runs: {cpu_isa.choose(forced='').reason}" + (" (the next variant where a build failed)"
                                                                    if failed else ""))
