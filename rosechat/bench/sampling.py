@@ -17,6 +17,10 @@ SAMPLINGS_LLAMA: dict[str, dict[str, float | int]] = {
     "t0.7-p0.9": {"temp": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0},
 }
 GREEDY = "greedy"
+# What each setting lets llama.cpp choose, for the output check: llama-cpp-python's sampler chain cuts
+# top-p before it applies the temperature (ours and transformers' divide by the temperature first), so
+# its nucleus is the one of the temperature-1 distribution, a wider one for temperatures below 1.
+LLAMA_CPP_CHECK: dict[str, dict[str, float | int]] = {**SAMPLINGS, "t0.7-p0.9": {"temperature": 1.0, "top_p": 0.9}}
 
 
 def sampling_list(text: str) -> tuple[str, ...]:
