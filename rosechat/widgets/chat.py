@@ -32,8 +32,11 @@ ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 # 5 ms on a 2-core machine, the GIL held throughout. A reply in a tab not shown keeps its text and
 # writes it when the tab is shown (or the reply ends): with four tabs streaming, three redraws in
 # four drew nothing anyone could see (`rosechat bench app` measures the app against the engine).
+# REDRAW_SHARE was 0.25: on the AVX2 machine the app kept 73 % (1 tab) and 74 % (4 tabs) of the engine's
+# tok/s; at 0.1, 78-79 % and 83 % (each redraw re-lays out the screen, ~15-25 ms of Python, and the
+# UI thread's time comes straight out of the engine's two kernel threads on a 2-core machine).
 REDRAW_INTERVAL = 0.1
-REDRAW_SHARE = 0.25
+REDRAW_SHARE = 0.1
 REDRAW_MAX = 0.5
 
 
