@@ -164,3 +164,20 @@ def test_a_variant_that_does_not_build_gives_way_to_the_next(monkeypatch, tmp_pa
         cpu_ops._running = running
         cpu_ops._build_once.cache_clear()
     assert cpu_ops.available() and cpu_ops.build_status() == f"rosechat {running.reason}"  # as before
+
+
+@pytest.mark.parametrize("flags,loads", [("zen3", False), ("zen4", True)])
+def test_setup_builds_every_variant_but_loads_only_what_the_cpu_runs(monkeypatch, flags: str, loads: bool) -> None:
+    """`make setup` builds avx512 on an AVX2 machine too; loading that build would run AVX-512 code
+    (its static initialisers) and kill the process with SIGILL, so there it is compiled only."""
+    from kernels.cpu import build
+
+    zen3 = frozenset({"avx", "avx2", "fma", "f16c", "sse4_2"})
+    zen4 = zen3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: zen3 if flags == "zen3" else zen4)
+    loaded: list[str] = []
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: loaded.append(path))  # restored after the test
+    # what cpp_extension.load does once it has compiled: load the library it built
+    monkeypatch.setattr(cpu_ops, "_compile", lambda isa, where, done: torch.ops.load_library(f"{where}/x.so"))
+    build.build_one("avx512")
+    assert bool(loaded) is loads
