@@ -96,6 +96,13 @@ class GGUFModel:
                             "merge them first (llama.cpp's `llama-gguf-split --merge`)")
         try:
             self.reader = gguf.GGUFReader(path)
+        except ValueError as e:
+            # Past the header (magic, version) the reader maps each tensor's data from the file: a file cut
+            # short gives arrays that come up short, and numpy refuses to shape them.
+            if not any(word in str(e).lower() for word in ("magic", "version")):
+                raise GGUFError(f"{path} is truncated or damaged: its tensors' data does not fit the file "
+                                f"({path.stat().st_size:,} bytes; {e}); download or copy it again") from e
+            raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
         except Exception as e:
             raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
         if int(self.field("split.count", 1)) > 1:

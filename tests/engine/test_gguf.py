@@ -193,6 +193,19 @@ def test_split_files_and_other_architectures_are_refused(gguf_dir: Path, tmp_pat
     assert "llama" in str(info.value) and "qwen3" in str(info.value)
 
 
+def test_a_truncated_file_says_so(gguf_dir: Path, tmp_path: Path) -> None:
+    src = gguf_dir / "whole.gguf"
+    write_gguf(src, "llama")
+    cut = tmp_path / "cut.gguf"
+    for fraction in (0.5, 0.67, 0.9):  # a download stopped part of the way (in a tensor, at any byte)
+        cut.write_bytes(src.read_bytes()[: int(src.stat().st_size * fraction) + 1])
+        with pytest.raises(GGUFError, match="is truncated or damaged: its tensors' data does not fit the file"):
+            resolve_model(str(cut))
+    cut.write_bytes(b"GGUF" + bytes(64))  # a header gguf cannot read is not called truncated
+    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+        resolve_model(str(cut))
+
+
 def test_config_and_tokenizer_are_converted_once_then_cached(gguf_dir: Path, tmp_path: Path, monkeypatch) -> None:
     from engine.weights.gguf import GGUFModel
 
