@@ -22,6 +22,7 @@ from engine.events import (
 )
 from engine.models.layers import linear  # the models' linear op (the bench measures its routes)
 from engine.output_processor import CompletionOutput, RequestOutput
+from engine.sampler import apply_repetition_penalty  # HF's semantics (the bench's output check applies it too)
 from engine.sequence import SamplingParams
 from engine.weights.gguf import GGUFError
 from engine.weights.loader import LoadedModel, load_model
@@ -50,6 +51,7 @@ __all__ = [
     "StepStats",
     "TokenDelta",
     "TokenLogprob",
+    "apply_repetition_penalty",
     "block_hash",
     "chain_root",
     "TurnPreempted",

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from engine import apply_repetition_penalty
+
 TOLERANCE = 1e-3  # a chosen token may score this far below the best logit (random weights make near-ties)
 # Packed weights multiply with activations rounded per block (int16 in rosechat, int8 in llama.cpp):
 # their greedy choice may differ from the dense model's where two logits are this close.
@@ -77,42 +79,35 @@ class Verifier:
         hidden = self.model.base_model(input_ids=torch.tensor([tokens[:end]], device=dev)).last_hidden_state[0]
         rows = torch.tensor([p - 1 for p in generated], device=dev)
         logits = self.model.get_output_embeddings()(hidden[rows]).float()
-        if sampling.get("repetition_penalty", 1.0) != 1.0:
-            logits = self._penalised(logits, tokens, generated, sampling["repetition_penalty"],
-                                     sampling.get("repetition_window"))
+        if sampling.get("repetition_penalty", 1.0) != 1.0:  # as the engine does, over what it looks at
+            seen = _seen(tokens, generated, sampling.get("repetition_window"))
+            penalties = torch.full((len(generated),), float(sampling["repetition_penalty"]), device=dev)
+            logits = apply_repetition_penalty(logits, seen, penalties)
         chosen_ids = torch.tensor([tokens[p] for p in generated], device=dev)
         chosen = logits.gather(1, chosen_ids[:, None])[:, 0]
         best, best_ids = logits.max(dim=-1)
-        temperature = sampling.get("temperature", 0.0)
+        temperature, top_p = sampling.get("temperature", 0.0), sampling.get("top_p", 1.0)
         if temperature == 0.0:
             gap = best - chosen
             bad = (gap > self.tolerance).nonzero()
-            why = lambda i: f"scores {float(gap[i]):.3g} below the best ({int(best_ids[i])})"  # noqa: E731
-        else:
-            probs = (logits / temperature).softmax(dim=-1)
-            above = (probs * (logits > (chosen + self.tolerance)[:, None])).sum(dim=-1)
-            top_p = sampling.get("top_p", 1.0)
+        else:  # the weight of the tokens that score clearly above the chosen one
+            above = ((logits / temperature).softmax(dim=-1) * (logits > (chosen + self.tolerance)[:, None])).sum(-1)
             bad = (above >= top_p).nonzero()
-            why = lambda i: f"is outside the top-p {top_p} nucleus ({float(above[i]):.3f} of the mass scores more)"  # noqa: E731
         if bad.numel() == 0:
             return None
         i = int(bad[0, 0])
+        why = (f"scores {float(gap[i]):.3g} below the best ({int(best_ids[i])})" if temperature == 0.0 else
+               f"is outside the top-p {top_p} nucleus ({float(above[i]):.3f} of the mass scores more)")
         return (f"token {generated[i]} (#{i} of {len(generated)} generated): chose {int(chosen_ids[i])}, which "
-                f"{why(i)}; {bad.shape[0]} such token(s)")
+                f"{why}; {bad.shape[0]} such token(s)")
 
-    @staticmethod
-    def _penalised(logits: torch.Tensor, tokens: list[int], generated: list[int], penalty: float,
-                   window: int | None) -> torch.Tensor:
-        """HF's repetition penalty over what the engine looks at: with a window, the last `window` tokens of the
-        reply so far (a reply is a run of generated positions); without, every token before."""
-        out = logits.clone()
-        reply_start = 0
-        for row, p in enumerate(generated):
-            if row == 0 or generated[row - 1] != p - 1:
-                reply_start = p
-            seen = tokens[:p] if window is None else tokens[max(reply_start, p - window) : p]
-            if seen:
-                ids = torch.tensor(sorted(set(seen)), device=logits.device)
-                v = out[row, ids]
-                out[row, ids] = torch.where(v > 0, v / penalty, v * penalty)
-        return out
+
+def _seen(tokens: list[int], generated: list[int], window: int | None) -> list[list[int]]:
+    """What the engine's repetition penalty looks at for each generated position: with a window, the last
+    `window` tokens of the reply so far (a reply is a run of generated positions); without, every token before."""
+    seen, reply_start = [], 0
+    for row, p in enumerate(generated):
+        if row == 0 or generated[row - 1] != p - 1:
+            reply_start = p
+        seen.append(tokens[:p] if window is None else tokens[max(reply_start, p - window) : p])
+    return seen

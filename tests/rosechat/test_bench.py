@@ -13,7 +13,7 @@ import torch
 
 from rosechat.bench import main
 from rosechat.bench.systems import CONTINUOUS, GENERATE, LLAMA_CPP, NO_PREFIX_CACHE, ROSECHAT, llama_cpp_available
-from rosechat.bench.twin import Verifier, build_twin
+from rosechat.bench.twin import Verifier, _seen, build_twin
 from tests.helpers import make_tiny_model
 
 SYSTEM_KEYS = {
@@ -149,13 +149,11 @@ def test_verifier_checks_the_setting_that_ran(tiny: Path) -> None:
     # what the penalty looks at, as the engine: with a window, the reply so far (runs of generated positions)
     # within the window; without, the prompt too
     tokens = [1, 2, 3, 4, 5, 6, 7, 8]
-    rows = torch.ones(3, 10)
-    windowed = Verifier._penalised(rows, tokens, [4, 5, 7], 2.0, window=1)
-    assert windowed[0].tolist() == [1.0] * 10  # position 4 starts the reply: nothing seen
-    assert (windowed[1] == 0.5).nonzero().flatten().tolist() == [5]
-    assert (windowed[2] == 1.0).all()  # 7 starts another reply (6 was not generated)
-    everything = Verifier._penalised(rows, tokens, [4], 2.0, window=None)
-    assert (everything[0] == 0.5).nonzero().flatten().tolist() == [1, 2, 3, 4]
+    windowed = _seen(tokens, [4, 5, 7], window=1)
+    assert windowed[0] == []  # position 4 starts the reply: nothing seen
+    assert windowed[1] == [5]  # the reply's last token, within the window of 1
+    assert windowed[2] == []  # 7 starts another reply (6 was not generated)
+    assert _seen(tokens, [4], window=None)[0] == [1, 2, 3, 4]  # without a window, the prompt too
     # nucleus: the second-best token is inside a wide nucleus, outside one only the best fills
     probs = (logits / 0.7).softmax(-1)
     wide = {"temperature": 0.7, "top_p": min(1.0, float(probs[best]) + 1e-3)}
