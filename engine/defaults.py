@@ -12,6 +12,7 @@ Triton path has been run and timed on a GPU.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,10 @@ def resolve(device: str = "auto", dtype: str | torch.dtype = "auto", quantizatio
             attention_backend: str = "auto", *, flags: frozenset[str] | None = None,
             cuda: bool | None = None) -> Defaults:  # fmt: skip
     """Resolve every "auto". `flags` (the CPU's cpuid flags) and `cuda` (whether torch sees a GPU) are
-    read from the machine when None; tests fake them to check the defaults of another machine."""
+    read from the machine when None; tests fake them to check the defaults of another machine. On the
+    machine, ROSECHAT_DEVICE (cpu, cuda, cuda:N) says what an "auto" device is."""
+    if device == "auto" and cuda is None:
+        device = os.environ.get("ROSECHAT_DEVICE") or "auto"  # a machine-wide choice (the suite pins cpu)
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if device == "auto":
         device = "cuda" if cuda else "cpu"

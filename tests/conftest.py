@@ -14,6 +14,9 @@ except ImportError:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite's expectations (float32 tolerances, the CPU's packed kernels) are the CPU defaults' on every
+# machine: "auto" means the CPU here, and the CUDA tests ask for device="cuda" by name.
+os.environ.setdefault("ROSECHAT_DEVICE", "cpu")
 
 # Pin the CPU kernels' variant for the whole run (subprocesses included): what the golden traces and
 # bit-for-bit tests assert was computed on it. The AVX2 variant runs on every AVX2 and AVX-512 CPU;

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 TINY_VOCAB = 512
+# Where the Triton kernels run: compiled on a GPU, else on the CPU under the interpreter (conftest.py)
+TRITON_ON: dict[str, str] = dict(device="cuda", dtype="float32") if torch.cuda.is_available() else {}
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"

@@ -14,6 +14,7 @@ people chat with (`sampling.SAMPLINGS`); the transformers systems and the no-pre
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -254,6 +255,9 @@ class _ForwardProbe:
         self.peak_unshared = max(self.peak_unshared, unshared)
 
 
+CB_OPTIONS = ("page_size", "num_blocks", "max_batch_tokens", "allow_block_sharing")
+
+
 class ContinuousBatchingRunner(Runner):
     name = CONTINUOUS
 
@@ -261,15 +265,21 @@ class ContinuousBatchingRunner(Runner):
                  max_batch_tokens: int) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
-        self.cb_options = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                               allow_block_sharing=True)
+        self.cb_options = dict(zip(CB_OPTIONS, (page_size, num_blocks, max_batch_tokens, True)))
         # It logs an error on CPU without psutil although the explicit sizes make that moot.
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
         super().__init__()
 
     @staticmethod
     def available(model: Any) -> bool:
-        return hasattr(model, "generate_batch")
+        """transformers' continuous batching, where its config takes the options we set (its API
+        moved between 5.x releases: 5.17 has no page_size)."""
+        try:
+            from transformers.generation import ContinuousBatchingConfig
+        except ImportError:
+            return False
+        params = inspect.signature(ContinuousBatchingConfig).parameters
+        return hasattr(model, "generate_batch") and all(k in params for k in CB_OPTIONS)
 
     def generate(self, conversations: list[int], prompts: list[list[int]], max_tokens: list[int]) -> list[Reply]:
         from transformers import GenerationConfig

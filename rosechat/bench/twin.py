@@ -8,7 +8,10 @@ import torch
 
 from engine import apply_repetition_penalty
 
-TOLERANCE = 1e-3  # a chosen token may score this far below the best logit (random weights make near-ties)
+# A chosen token may score this far below the best logit: random weights make near-ties, and the twin
+# rounds in its own order (bf16 keeps 8 significant bits: logits of the same tokens differ by hundredths;
+# measured on an H200, transformers' own generate() chose tokens 0.016-0.023 below the twin's best).
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.02, torch.bfloat16: 0.08}
 # Packed weights multiply with activations rounded per block (int16 in rosechat, int8 in llama.cpp):
 # their greedy choice may differ from the dense model's where two logits are this close.
 PACKED_TOLERANCE = 0.25
@@ -49,14 +52,14 @@ def build_twin(loaded: Any, dtype: torch.dtype) -> Any:
 
 class Verifier:
     """Checks outputs against the twin: fed a conversation's whole token stream, the twin must score every
-    generated token as the sampling setting allows, within TOLERANCE of the logits: greedy (with or without
-    a repetition penalty) within reach of the best logit; temperature and top-p inside the nucleus, i.e. the
+    generated token as the sampling setting allows, within its dtype's TOLERANCE of the logits: greedy (with
+    or without a repetition penalty) within reach of the best logit; temperature and top-p inside the nucleus, i.e. the
     tokens that score more than TOLERANCE above it weigh less than top_p. Results are cached, so systems
     that produced the same tokens cost one forward pass."""
 
-    def __init__(self, model: Any, tolerance: float = TOLERANCE) -> None:
+    def __init__(self, model: Any, tolerance: float = 0.0) -> None:
         self.model = model
-        self.tolerance = tolerance
+        self.tolerance = max(tolerance, TOLERANCE.get(model.dtype, TOLERANCE[torch.bfloat16]))
         self._cache: dict[tuple, str | None] = {}
 
     def check(self, tokens: list[int], generated: list[int], sampling: dict[str, Any] | None = None) -> str | None:

@@ -66,6 +66,16 @@ def test_cuda_defaults_are_dense_bfloat16(monkeypatch) -> None:
         defaults.resolve(quantization="int4", cuda=True)
 
 
+def test_rosechat_device_says_what_auto_is_on_this_machine(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("ROSECHAT_DEVICE", "cuda:7")
+    with pytest.raises(ValueError, match="'cuda:7' requested but CUDA is not available"):
+        defaults.resolve()
+    assert defaults.resolve(device="cpu").device == "cpu"  # a device asked for by name wins
+    monkeypatch.delenv("ROSECHAT_DEVICE")
+    assert defaults.resolve().device == "cpu"
+
+
 @pytest.mark.parametrize("flags, want", [
     (ZEN3_AVX2, ["avx2", "generic"]), (ZEN4_AVX512, ["avx512", "avx2", "generic"]),
     (SKYLAKE_X, ["avx2", "generic"]), (NO_AVX, ["generic"]),

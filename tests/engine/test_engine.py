@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, ModelNotFoundError, RequestError, SamplingParams
-from tests.helpers import TINY_VOCAB, make_tiny_model, reference_model
+from tests.helpers import TINY_VOCAB, TRITON_ON, make_tiny_model, reference_model
 
 # arch, config overrides: GQA ratio 3 with head_dim 48, head_dim 64 with a tied head and llama3
 # RoPE scaling, Qwen2 biases, Qwen3 q/k norm, Mistral, GPT-2 learned positions (tied).
@@ -85,7 +85,8 @@ def test_greedy_parity_torch_backend(model_dirs: dict[str, str], name: str) -> N
 @pytest.mark.parametrize("name", list(PARITY_MODELS))
 def test_greedy_parity_triton_backend(model_dirs: dict[str, str], name: str) -> None:
     # The Triton kernels run interpreted on CPU: slow, so a smaller case.
-    eng = LLMEngine.from_pretrained(model_dirs[name], attention_backend="triton", block_size=8, num_blocks=64)
+    eng = LLMEngine.from_pretrained(model_dirs[name], attention_backend="triton", block_size=8, num_blocks=64,
+                                    **TRITON_ON)
     prompts = random_prompts(7, [5, 17])
     outs = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     ref = reference_model(model_dirs[name])

@@ -97,7 +97,7 @@ def test_matches_transformers(case, backend):
     if backend == "triton":
         pytest.importorskip("triton")
         if torch.cuda.is_available():
-            loaded = load_model(str(case.path), device="cuda")
+            loaded = load_model(str(case.path), device="cuda", dtype="float32")
         elif os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels need CUDA or TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(1)
