@@ -23,7 +23,8 @@ from engine.events import (
 from engine.models.layers import linear  # the models' linear op (the bench measures its routes)
 from engine.output_processor import CompletionOutput, RequestOutput
 from engine.sampler import apply_repetition_penalty  # HF's semantics (the bench's output check applies it too)
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, StructuredOutput
+from engine.structured import GrammarError
 from engine.weights.gguf import GGUFError
 from engine.weights.loader import LoadedModel, load_model
 from engine.weights.packing import matmul_weight_cost, packed_bytes
@@ -42,6 +43,7 @@ __all__ = [
     "LLMEngine",
     "LoadedModel",
     "GGUFError",
+    "GrammarError",
     "ModelNotFoundError",
     "ModelSource",
     "PACKAGED_MODELS",
@@ -49,6 +51,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StepStats",
+    "StructuredOutput",
     "TokenDelta",
     "TokenLogprob",
     "apply_repetition_penalty",

@@ -22,6 +22,7 @@ from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampler import Sampler, SamplingTensors, argmax, make_generator, token_logprobs
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from engine.structured import GrammarError, StructuredOutputs
 from engine.weights.loader import LoadedModel, Stages
 from kernels.cpu import ops as cpu_ops
 
@@ -114,6 +115,7 @@ class EngineCore:
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = set(loaded.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size, sorted(self.eos_token_ids))
         self.groups: dict[str, SequenceGroup] = {}
         self.on_step: Callable[[StepStats], None] | None = None  # per-step stats hook (the bench)
         self._ids = itertools.count()
@@ -180,11 +182,16 @@ class EngineCore:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = seq or Sequence(self.encode(prompt), cache_salt=cache_salt)
         self._validate(seq.token_ids, params)
-        group = SequenceGroup(request_id, [seq], params, conversation_id=conversation_id, prompt_len=len(seq))
+        try:  # a cache hit where the caller compiled it already, off the engine thread
+            grammar = self.structured.compile(params.structured) if params.structured else None
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
+        group = SequenceGroup(request_id, [seq], params, conversation_id=conversation_id, prompt_len=len(seq),
+                              grammar=grammar)
         seq.group, seq.index, seq.owner = group, 0, conversation_id or request_id
         seq.num_prompt_tokens, seq.finish_reason, seq.finish_time, seq.generator = len(seq), None, None, None
         seq.detokenizer, seq.pending_text = None, ""  # a parked sequence's last turn is done with
-        seq.logprobs, seq.logprobs_sent = [], 0
+        seq.logprobs, seq.logprobs_sent, seq.matcher = [], 0, None
         self.groups[request_id] = group
         self.scheduler.add(seq)
         return request_id
@@ -250,6 +257,7 @@ class EngineCore:
         )  # fmt: skip
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        self.structured.mask(logits, seqs)  # constrained rows only; in place
         params = [s.group.params for s in seqs]
         penalised = any(p.repetition_penalty != 1.0 for p in params)
         seen = [_penalised(s) for s in seqs] if penalised else None
@@ -274,6 +282,8 @@ class EngineCore:
                 continue  # failed this step (e.g. a sibling sample): its tokens are dropped
             reason = self.scheduler.append_token(seq, token, self.eos_token_ids, self.max_model_len)
             try:
+                if self.structured.accept(seq, token) and reason is None:
+                    reason = "stop"  # its grammar is complete
                 if reason != "stop" and self.outputs.append(seq, token):
                     reason = "stop"  # a stop string beats the length limit
                 if reason is not None:

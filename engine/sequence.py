@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.events import TokenLogprob
 
@@ -17,6 +17,30 @@ if TYPE_CHECKING:
 
 
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a reply must be (vLLM's guided decoding), exactly one of: `json`, a JSON Schema (a dict or its
+    text); `json_object`, any JSON object; `regex`; `choice`, one of these strings; `grammar`, EBNF in
+    xgrammar's (GBNF-like) syntax with a `root` rule. engine/structured.py compiles and enforces it."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured output takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
 
 
 @dataclass
@@ -38,6 +62,7 @@ class SamplingParams:
     # None: no logprobs; k >= 0: each sampled token's log-probability and the k most likely tokens' (the
     # distribution sampled from: after the repetition penalty and temperature, before top-k/top-p/min-p)
     logprobs: int | None = None
+    structured: StructuredOutput | None = None  # the reply must match this (JSON Schema, regex, ...)
 
     def __post_init__(self) -> None:
         w = self.repetition_window
@@ -97,6 +122,7 @@ class Sequence:
         self.pending_text = ""  # text not yet handed out in an output
         self.logprobs: list[TokenLogprob] = []  # per output token, when its params ask for them
         self.logprobs_sent = 0  # of those, how many were handed out in an output
+        self.matcher: Any = None  # its grammar's state, when its request has one (engine/structured.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -133,3 +159,4 @@ class SequenceGroup:
     error: str | None = None  # set when the request failed
     dropped_messages: int = 0  # oldest chat messages left out so the history fits the context
     max_tokens_clamped: bool = False  # params.max_tokens was lowered to what the context leaves
+    grammar: Any = None  # params.structured compiled (engine/structured.py), shared by its samples

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
-from engine import EngineError, Finished, LLMEngine, SamplingParams, TokenDelta, TokenLogprob
+from engine import EngineError, Finished, GrammarError, LLMEngine, SamplingParams, TokenDelta, TokenLogprob
 from rosechat.server.errors import APIError, error_body, install_error_handlers
 from rosechat.server.guard import Guard
 from rosechat.server.hub import EngineHub, Turn
@@ -128,9 +128,20 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         values.update({k: v for k, v in given.items() if v is not None})
         values.update(n=body.n, stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=body.logprobs_k())
         try:
+            values["structured"], _ = body.structured()
             return SamplingParams(**values)
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e), code="invalid_value") from None
+
+    async def compile_structured(body: ChatCompletionRequest | CompletionRequest, params: SamplingParams) -> None:
+        """The reply's grammar, compiled in a worker thread (cached per spec): the event loop and the engine
+        thread never wait on it, and a schema that does not compile is a 400 naming the field."""
+        if params.structured is None:
+            return
+        try:
+            await asyncio.to_thread(llm.structured.compile, params.structured)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=body.structured()[1], code="invalid_value") from None
 
     async def start_turn(tokens: list[int], params: SamplingParams, cache_salt: str | None) -> Turn:
         if hub.in_flight >= s.max_queued:  # a bound on the queue, never an unbounded backlog
@@ -230,6 +241,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
     async def respond(request: Request, body: ChatCompletionRequest | CompletionRequest, tokens: list[int],
                       params: SamplingParams,
                       kind: str) -> Response:
+        await compile_structured(body, params)
         turn = await start_turn(tokens, params, body.cache_salt)
         if body.stream:
             return TurnStream(stream(turn, body, kind), lambda: hub.release(turn))

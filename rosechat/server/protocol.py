@@ -14,12 +14,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine import StructuredOutput
+
 # Fields of the OpenAI API and of vLLM's extensions that would change the answer: not implemented yet.
 NOT_IMPLEMENTED = frozenset({
-    "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
-    "presence_penalty", "frequency_penalty", "best_of", "suffix", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "structured_outputs", "audio", "modalities", "prediction", "web_search_options",
-    "reasoning_effort", "tool_calls", "tool_call_id",
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+    "presence_penalty", "frequency_penalty", "best_of", "suffix", "guided_whitespace_pattern",
+    "guided_decoding_backend", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
+    "tool_calls", "tool_call_id",
 })
 # Fields that change nothing about the answer: accepted and not acted on.
 ACCEPTED = frozenset({"user", "metadata", "store", "service_tier", "name"})
@@ -85,6 +87,28 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class JSONSchemaFormat(_Body):
+    name: str = Field("response", min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # rosechat always holds the reply to the schema
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingFields(_Body):
     """The sampling fields both endpoints share; None = the server's default."""
 
@@ -103,6 +127,32 @@ class SamplingFields(_Body):
     ignore_eos: bool = False  # vLLM's extension: always generate max_tokens (benchmarks)
     # vLLM's extension: the prompt's cached KV is shared only with requests of the same salt (tenant isolation)
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's structured output: the reply matches a JSON Schema, a regex, one of some strings or an EBNF grammar
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def structured(self) -> tuple[StructuredOutput | None, str]:
+        """What the reply must match and the field that asked (one at most), or (None, "")."""
+        given = {name: value for name, value in (
+            ("guided_json", self.guided_json and StructuredOutput(json=self.guided_json)),
+            ("guided_regex", self.guided_regex is not None and StructuredOutput(regex=self.guided_regex)),
+            ("guided_choice", self.guided_choice is not None and StructuredOutput(choice=self.guided_choice)),
+            ("guided_grammar", self.guided_grammar is not None and StructuredOutput(grammar=self.guided_grammar)),
+            ("structured_outputs", self.structured_outputs and StructuredOutput(
+                json=self.structured_outputs.json_, json_object=bool(self.structured_outputs.json_object),
+                regex=self.structured_outputs.regex, choice=self.structured_outputs.choice,
+                grammar=self.structured_outputs.grammar)),
+            ("response_format", self._response_format()),
+        ) if value}
+        if len(given) > 1:
+            raise ValueError(f"one of {', '.join(given)} at most: they each constrain the reply")
+        return next(((spec, name) for name, spec in given.items()), (None, ""))
+
+    def _response_format(self) -> StructuredOutput | None:
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -112,12 +162,23 @@ class SamplingFields(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False  # each token's log-probability (after penalties and temperature)
     top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many most likely tokens' (needs logprobs)
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _response_format(self) -> StructuredOutput | None:
+        f = self.response_format
+        if f is None or f.type == "text":
+            return None
+        if f.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if f.json_schema is None:
+            raise ValueError("response_format json_schema needs its json_schema object")
+        return StructuredOutput(json=f.json_schema.schema_)
 
 
 class CompletionRequest(SamplingFields):

@@ -204,7 +204,11 @@ BAD: list[tuple[str, bytes | dict, int, str | None]] = [
     ("max_tokens past the context", {**GOOD, "max_tokens": 5000}, 400, "max_tokens"),
     ("empty messages", {**GOOD, "messages": []}, 400, "messages"),
     # fields of the API rosechat does not implement: refused, never silently ignored
-    ("JSON mode", {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("a JSON schema that does not compile", {**GOOD, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format"),
+    ("a regex that does not compile", {**GOOD, "guided_regex": "(ab"}, 400, "guided_regex"),
+    ("two constraints at once", {**GOOD, "guided_regex": "a+", "guided_choice": ["a"]}, 400, None),
+    ("an empty choice", {**GOOD, "guided_choice": []}, 400, None),
     ("tools", {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs"),
     ("top_logprobs over 20", {**GOOD, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
@@ -244,16 +248,15 @@ def test_unknown_fields_pass_where_the_server_allows_them() -> None:
         url = f"{server.url}/v1/chat/completions"
         assert httpx.post(url, json={**GOOD, "temprature": 0.2}, timeout=60).status_code == 200
         # what rosechat does not implement is refused all the same
-        assert httpx.post(url, json={**GOOD, "response_format": {"type": "json_object"}},
-                          timeout=60).status_code == 400
+        assert httpx.post(url, json={**GOOD, "presence_penalty": 0.5}, timeout=60).status_code == 400
 
 
 def test_openapi_describes_the_real_schema(server: BackgroundServer) -> None:
     spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "temperature", "cache_salt", "seed"} <= set(chat)
-    assert {"logprobs", "top_logprobs"} <= set(chat)
-    assert not {"tools", "response_format", "presence_penalty"} & set(chat)  # refused: not in the schema
+    assert {"logprobs", "top_logprobs", "response_format", "guided_json", "guided_choice"} <= set(chat)
+    assert not {"tools", "presence_penalty"} & set(chat)  # refused: not in the schema
     assert httpx.get(f"{server.url}/docs", timeout=30).status_code == 200
 
 
