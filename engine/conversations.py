@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,13 +67,16 @@ class LLMEngine(EngineCore):
                             quantization=overrides.get("quantization"))
         return cls(loaded, config, stages)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._chat_tokens(messages, None)[0]
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat template's tokens for messages (and the tools it describes to the model, if any)."""
+        return self._chat_tokens(messages, None, tools)[0]
 
-    def _chat_tokens(self, messages: list[dict[str, str]], conv: Conversation | None) -> tuple[list[int], str]:
+    def _chat_tokens(self, messages: list[dict[str, Any]], conv: Conversation | None,
+                     tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str]:
         """The chat template's tokens for messages, and its text. Where the text starts with exactly what a parked
         sequence spells (its prompt and reply), that sequence's own tokens are kept and only the rest is encoded."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **({"tools": tools} if tools else {}))
         spelled = [(conv.texts[s.seq_id], s) for s in conv.seqs if s.seq_id in conv.texts] if conv else []
         # Whole turn first (the next turn), then its prompt alone (a regenerated reply).
         held = [(t.chat_text, t.chat_len, s) for t, s in spelled]

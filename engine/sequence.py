@@ -22,14 +22,17 @@ MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a reply must be (vLLM's guided decoding), exactly one of: `json`, a JSON Schema (a dict or its
-    text); `json_object`, any JSON object; `regex`; `choice`, one of these strings; `grammar`, EBNF in
-    xgrammar's (GBNF-like) syntax with a `root` rule. engine/structured.py compiles and enforces it."""
+    text), optionally between a fixed `prefix` and `suffix`; `json_object`, any JSON object; `regex`;
+    `choice`, one of these strings; `grammar`, EBNF in xgrammar's (GBNF-like) syntax with a `root` rule.
+    engine/structured.py compiles and enforces it."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    prefix: str = ""  # with json: text before the JSON (a tool call's "<tool_call>\n")
+    suffix: str = ""  # and after it
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -39,6 +42,8 @@ class StructuredOutput:
         if len(given) != 1:
             raise ValueError("structured output takes exactly one of json, json_object, regex, choice, grammar; "
                              f"got {', '.join(given) or 'none'}")
+        if (self.prefix or self.suffix) and self.json is None:
+            raise ValueError("prefix and suffix go with json only")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("choice must be a non-empty list of non-empty strings")
 

@@ -39,10 +39,10 @@ def _xgr() -> Any:
     return xgrammar
 
 
-def spec_key(spec: StructuredOutput) -> tuple[str, str]:
+def spec_key(spec: StructuredOutput) -> tuple[str, ...]:
     if spec.json is not None:
         schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)  # key order is output order
-        return "json", schema
+        return ("json", schema, spec.prefix, spec.suffix) if spec.prefix or spec.suffix else ("json", schema)
     if spec.json_object:
         return "json", '{"type": "object"}'  # OpenAI's json_object: an object, any keys
     if spec.regex is not None:
@@ -86,7 +86,7 @@ class StructuredOutputs:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self._lock = threading.Lock()
         self._compiler: Any = None
-        self._cache: dict[tuple[str, str], Any] = {}
+        self._cache: dict[tuple[str, ...], Any] = {}
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar of `spec` (cached); GrammarError naming the problem if it does not compile."""
@@ -96,13 +96,18 @@ class StructuredOutputs:
                 self._cache[key] = self._compile(*key)
             return self._cache[key]
 
-    def _compile(self, kind: str, text: str) -> Any:
+    def _compile(self, kind: str, text: str, prefix: str = "", suffix: str = "") -> Any:
         xgr = _xgr()
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         try:
+            if kind == "json" and (prefix or suffix):  # fixed text around the JSON: one grammar of the three
+                parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") for t in (prefix, suffix)]
+                body = xgr.Grammar.from_json_schema(_bounded_strings_as_patterns(text), any_whitespace=False)
+                return self._compiler.compile_grammar(xgr.Grammar.concat(*(
+                    g for g, t in ((parts[0], prefix), (body, "x"), (parts[1], suffix)) if t)))
             if kind == "json":
                 # compact JSON: no free whitespace, which a small model can run on with forever
                 return self._compiler.compile_json_schema(_bounded_strings_as_patterns(text), any_whitespace=False)

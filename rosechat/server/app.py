@@ -9,6 +9,7 @@ so a client resending a growing history prefills only what is new.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -24,12 +25,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
 from engine import EngineError, Finished, GrammarError, LLMEngine, SamplingParams, TokenDelta, TokenLogprob
+from rosechat.server import tools
 from rosechat.server.errors import APIError, error_body, install_error_handlers
 from rosechat.server.guard import Guard
 from rosechat.server.hub import EngineHub, Turn
 from rosechat.server.logprobs import LogprobFormatter
 from rosechat.server.metrics import ServerMetrics
-from rosechat.server.protocol import ChatCompletionRequest, CompletionRequest, extra_fields
+from rosechat.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, extra_fields
+from rosechat.server.tools import StreamFilter, ToolCall, ToolPlan
 
 log = logging.getLogger("rosechat.serve")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
@@ -61,6 +64,7 @@ class ServerSettings:
     # SamplingParams values for fields a request leaves out (the app's config and flags)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     allow_unknown_fields: bool = False  # unknown request fields: logged and ignored instead of a 400
+    tool_call_parser: str = "auto"  # tools.PARSERS: the format of tool calls (auto: from the chat template)
 
 
 def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -195,7 +199,8 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
     def sse(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-    async def stream(turn: Turn, body: ChatCompletionRequest | CompletionRequest, kind: str) -> AsyncIterator[str]:
+    async def stream(turn: Turn, body: ChatCompletionRequest | CompletionRequest, kind: str,
+                     tool_plan: ToolPlan | None = None) -> AsyncIterator[str]:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -203,12 +208,16 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         extra = {"usage": None} if include_usage else {}
         offsets = [0] * body.n  # completions' text_offset: where each sample's next piece starts
 
+        filters = [StreamFilter(tool_plan) for _ in range(body.n)] if tool_plan else None
+
         def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False,
-                  lps: tuple[TokenLogprob, ...] = ()) -> str:
+                  lps: tuple[TokenLogprob, ...] = (), calls: list[ToolCall] | None = None) -> str:
             if kind == "chat":
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text is not None:
                     delta["content"] = text
+                if calls:
+                    delta["tool_calls"] = [{"index": k, **c.json()} for k, c in enumerate(calls)]
                 logprobs = formatter.chat(lps) if lps else None
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
@@ -224,10 +233,16 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
             while True:
                 ev = await turn.events.get()
                 if isinstance(ev, TokenDelta):
-                    yield chunk(ev.index, ev.text, lps=ev.logprobs)
+                    text = filters[ev.index].feed(ev.text) if filters else ev.text
+                    if text or ev.logprobs or not filters:
+                        yield chunk(ev.index, text, lps=ev.logprobs)
                 elif isinstance(ev, Finished):
                     for i, reason in enumerate(ev.finish_reasons):
-                        yield chunk(i, None if kind == "chat" else "", reason)
+                        rest, calls = filters[i].finish() if filters else ("", [])
+                        if rest or calls:
+                            yield chunk(i, rest or None, calls=calls)
+                        yield chunk(i, None if kind == "chat" else "",
+                                    "tool_calls" if calls and reason == "stop" else reason)
                     if include_usage:
                         yield sse({**head, "choices": [], "usage": usage_json(ev)})
                     break
@@ -238,21 +253,29 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         finally:  # also on a client disconnect (the generator is cancelled): abort, free the blocks
             hub.release(turn)
 
+    def assistant_message(text: str, reason: str | None,
+                          tool_plan: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+        content, calls = tool_plan.parse(text) if tool_plan else (text, [])
+        if not calls:
+            return {"role": "assistant", "content": text}, reason
+        return ({"role": "assistant", "content": content, "tool_calls": [c.json() for c in calls]},
+                "tool_calls" if reason == "stop" else reason)
+
     async def respond(request: Request, body: ChatCompletionRequest | CompletionRequest, tokens: list[int],
-                      params: SamplingParams,
-                      kind: str) -> Response:
+                      params: SamplingParams, kind: str, tool_plan: ToolPlan | None = None) -> Response:
         await compile_structured(body, params)
         turn = await start_turn(tokens, params, body.cache_salt)
         if body.stream:
-            return TurnStream(stream(turn, body, kind), lambda: hub.release(turn))
+            return TurnStream(stream(turn, body, kind, tool_plan), lambda: hub.release(turn))
         ev = await finish_or_disconnect(request, turn)
         if ev is None:
             return Response(status_code=499)  # nobody reads it
         lps = ev.logprobs or [None] * len(ev.texts)
         if kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": None if lp is None else formatter.chat(lp), "finish_reason": reason}
-                       for i, (text, reason, lp) in enumerate(zip(ev.texts, ev.finish_reasons, lps))]
+            choices = [{"index": i, "message": message, "logprobs": None if lp is None else formatter.chat(lp),
+                        "finish_reason": finish}
+                       for i, (text, reason, lp) in enumerate(zip(ev.texts, ev.finish_reasons, lps))
+                       for message, finish in [assistant_message(text, reason, tool_plan)]]
             obj, prefix = "chat.completion", "chatcmpl"
         else:
             choices = [{"index": i, "text": text, "logprobs": None if lp is None else formatter.completion(lp),
@@ -280,16 +303,32 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_request(body)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                     **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
+                     **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in body.messages]
+        template = getattr(llm.tokenizer, "chat_template", None)
         try:
-            tokens = llm.render_chat(messages)
+            tool_plan = tools.plan([t.model_dump(exclude_none=True) for t in body.tools or []],
+                                   body.tool_choice if not isinstance(body.tool_choice, NamedToolChoice)
+                                   else body.tool_choice.model_dump(), body.parallel_tool_calls,
+                                   s.tool_call_parser, template)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
+        if tool_plan:
+            messages, rendered_tools = tools.render_messages(tool_plan.parser, messages, tool_plan.tools, template)
+        try:
+            tokens = llm.render_chat(messages, rendered_tools if tool_plan else None)
         except Exception as e:  # the model's chat template refused them (roles out of order, ...)
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                            code="invalid_value") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling_params(body, len(tokens), max_tokens, "messages")
-        return await respond(request, body, tokens, params, "chat")
+        if tool_plan and tool_plan.forced:  # a call it must make: held to the format, arguments to the schema
+            if params.structured is not None:
+                raise APIError(400, "tool_choice that requires a call cannot be combined with response_format or "
+                               "guided_*", param="tool_choice", code="invalid_value")
+            params = dataclasses.replace(params, structured=tool_plan.structured())
+        return await respond(request, body, tokens, params, "chat", tool_plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -9,6 +9,7 @@ import os
 import sys
 
 from rosechat.config import Config
+from rosechat.server.tools import PARSERS
 
 API_KEY_ENV = "ROSECHAT_API_KEY"
 
@@ -29,6 +30,9 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-unknown-fields", action="store_true", default=False,
                    help="ignore request fields the API does not define (logged once) instead of answering 400; "
                    "fields of the API that rosechat does not implement are refused either way")
+    g.add_argument("--tool-call-parser", choices=PARSERS, default="auto",
+                   help="how the model writes tool calls: hermes (<tool_call> JSON, Qwen2.5/3 and templates "
+                   "without tools), llama3_json (Llama 3.1+); auto (default) picks from the chat template")
 
 
 def _is_loopback(host: str) -> bool:
@@ -67,7 +71,7 @@ def serve(config: Config, args: argparse.Namespace) -> int:
     name = args.served_model_name or ("demo" if notice else config.model.name)
     settings = ServerSettings(model_name=name, api_key=api_key,
                               max_n=args.max_n, max_queued=args.max_queued, sampling_defaults=sampling,
-                              allow_unknown_fields=args.allow_unknown_fields)
+                              allow_unknown_fields=args.allow_unknown_fields, tool_call_parser=args.tool_call_parser)
     import uvicorn
 
     host, port = sock.getsockname()[:2]

@@ -18,10 +18,9 @@ from engine import StructuredOutput
 
 # Fields of the OpenAI API and of vLLM's extensions that would change the answer: not implemented yet.
 NOT_IMPLEMENTED = frozenset({
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
-    "presence_penalty", "frequency_penalty", "best_of", "suffix", "guided_whitespace_pattern",
-    "guided_decoding_backend", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
-    "tool_calls", "tool_call_id",
+    "functions", "function_call", "logit_bias", "presence_penalty", "frequency_penalty", "best_of", "suffix",
+    "guided_whitespace_pattern", "guided_decoding_backend", "audio", "modalities", "prediction",
+    "web_search_options", "reasoning_effort",
 })
 # Fields that change nothing about the answer: accepted and not acted on.
 ACCEPTED = frozenset({"user", "metadata", "store", "service_tier", "name"})
@@ -73,14 +72,48 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallMessage(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's calls, sent back in the history
+    tool_call_id: str | None = None  # a tool's result: which call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+    strict: bool | None = None  # rosechat holds arguments to the schema where tool_choice requires a call
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Body):
@@ -163,6 +196,9 @@ class SamplingFields(_Body):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False  # each token's log-probability (after penalties and temperature)
     top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many most likely tokens' (needs logprobs)

@@ -68,7 +68,8 @@ def test_flags_override_config_and_start_the_app(tmp_path: Path, launched) -> No
     assert (tmp_path / "h.db").exists()
 
 
-SERVER_DESTS = {"host", "port", "server_api_key", "served_model_name", "max_queued", "max_n", "allow_unknown_fields"}
+SERVER_DESTS = {"host", "port", "server_api_key", "served_model_name", "max_queued", "max_n", "allow_unknown_fields",
+                "tool_call_parser"}
 
 
 def test_every_flag_maps_to_a_config_key() -> None:

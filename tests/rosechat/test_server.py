@@ -209,7 +209,8 @@ BAD: list[tuple[str, bytes | dict, int, str | None]] = [
     ("a regex that does not compile", {**GOOD, "guided_regex": "(ab"}, 400, "guided_regex"),
     ("two constraints at once", {**GOOD, "guided_regex": "a+", "guided_choice": ["a"]}, 400, None),
     ("an empty choice", {**GOOD, "guided_choice": []}, 400, None),
-    ("tools", {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("the legacy functions", {**GOOD, "functions": [{"name": "f"}]}, 400, "functions"),
+    ("a tool without its function", {**GOOD, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs"),
     ("top_logprobs over 20", {**GOOD, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("a presence penalty", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
@@ -255,8 +256,8 @@ def test_openapi_describes_the_real_schema(server: BackgroundServer) -> None:
     spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "temperature", "cache_salt", "seed"} <= set(chat)
-    assert {"logprobs", "top_logprobs", "response_format", "guided_json", "guided_choice"} <= set(chat)
-    assert not {"tools", "presence_penalty"} & set(chat)  # refused: not in the schema
+    assert {"logprobs", "top_logprobs", "response_format", "guided_json", "guided_choice", "tools"} <= set(chat)
+    assert not {"functions", "presence_penalty"} & set(chat)  # refused: not in the schema
     assert httpx.get(f"{server.url}/docs", timeout=30).status_code == 200
 
 
