@@ -200,7 +200,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
     async def stream(turn: Turn, body: ChatCompletionRequest | CompletionRequest, kind: str,
-                     tool_plan: ToolPlan | None = None) -> AsyncIterator[str]:
+                     tool_plan: ToolPlan | None = None, echo: str = "") -> AsyncIterator[str]:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -227,9 +227,8 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
             return sse({**head, "choices": [choice], **extra})
 
         try:
-            if kind == "chat":
-                for i in range(body.n):
-                    yield chunk(i, None, role=True)
+            for i in range(body.n if kind == "chat" or echo else 0):
+                yield chunk(i, None, role=True) if kind == "chat" else chunk(i, echo)
             while True:
                 ev = await turn.events.get()
                 if isinstance(ev, TokenDelta):
@@ -262,11 +261,11 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                 "tool_calls" if reason == "stop" else reason)
 
     async def respond(request: Request, body: ChatCompletionRequest | CompletionRequest, tokens: list[int],
-                      params: SamplingParams, kind: str, tool_plan: ToolPlan | None = None) -> Response:
+                      params: SamplingParams, kind: str, tool_plan: ToolPlan | None = None, echo: str = "") -> Response:
         await compile_structured(body, params)
         turn = await start_turn(tokens, params, body.cache_salt)
         if body.stream:
-            return TurnStream(stream(turn, body, kind, tool_plan), lambda: hub.release(turn))
+            return TurnStream(stream(turn, body, kind, tool_plan, echo), lambda: hub.release(turn))
         ev = await finish_or_disconnect(request, turn)
         if ev is None:
             return Response(status_code=499)  # nobody reads it
@@ -278,7 +277,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                        for message, finish in [assistant_message(text, reason, tool_plan)]]
             obj, prefix = "chat.completion", "chatcmpl"
         else:
-            choices = [{"index": i, "text": text, "logprobs": None if lp is None else formatter.completion(lp),
+            choices = [{"index": i, "text": echo + text, "logprobs": None if lp is None else formatter.completion(lp),
                         "finish_reason": reason}
                        for i, (text, reason, lp) in enumerate(zip(ev.texts, ev.finish_reasons, lps))]
             obj, prefix = "text_completion", "cmpl"
@@ -333,8 +332,9 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body)
-        if body.echo:
-            raise APIError(400, "echo is not supported by this server", param="echo", code="unsupported")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                           param="echo", code="unsupported")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -343,7 +343,8 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
             prompt = prompt[0]
         tokens = llm.encode(prompt)  # type: ignore[arg-type]  # token ids out of the vocabulary: the engine refuses
         params = sampling_params(body, len(tokens), body.max_tokens, "prompt")
-        return await respond(request, body, tokens, params, "completion")
+        echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(tokens)) if body.echo else ""
+        return await respond(request, body, tokens, params, "completion", echo=echo)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -132,6 +132,22 @@ def test_completions_endpoint(server: BackgroundServer) -> None:
     assert by_ids.usage.prompt_tokens == 4
 
 
+def test_completions_echo_the_prompt_streamed_and_not(server: BackgroundServer) -> None:
+    c = client(server)
+    plain = c.completions.create(model="demo", prompt="the world and", max_tokens=6, temperature=0)
+    echoed = c.completions.create(model="demo", prompt="the world and", max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == "the world and" + plain.choices[0].text
+    chunks = [ch.choices[0].text for ch in c.completions.create(model="demo", prompt="the world and", max_tokens=6,
+                                                                temperature=0, echo=True, stream=True) if ch.choices]
+    assert chunks[0] == "the world and" and "".join(chunks) == echoed.choices[0].text
+    ids = [40, 41, 42, 43]  # token ids: echoed as their text
+    plain = c.completions.create(model="demo", prompt=ids, max_tokens=2, temperature=0).choices[0].text
+    echoed_ids = c.completions.create(model="demo", prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert echoed_ids.choices[0].text.endswith(plain) and len(echoed_ids.choices[0].text) > len(plain)
+    with pytest.raises(openai.BadRequestError, match="prompt's logprobs"):
+        c.completions.create(model="demo", prompt="x", max_tokens=1, echo=True, logprobs=1)
+
+
 def test_resent_history_hits_the_prefix_cache(server: BackgroundServer) -> None:
     c = client(server)
     first = c.chat.completions.create(model="demo", messages=chat("first question " * 8), max_tokens=8,
