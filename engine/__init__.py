@@ -6,14 +6,16 @@ The public API; the TUI and the benchmarks use nothing else.
 from engine.block_manager import block_hash, chain_root  # the prefix cache's block names (the bench times them)
 from engine.config import EngineConfig
 from engine.conversations import LLMEngine
-from engine.core import ContextLengthError, EngineInfo, RequestError, StepStats
+from engine.core import ContextLengthError, RequestError
 from engine.defaults import Defaults, cpu_model, kernel_status
 from engine.defaults import resolve as resolve_defaults
 from engine.engine_thread import EngineThread
 from engine.events import (
     CacheSnapshot,
     EngineError,
+    EngineInfo,
     Finished,
+    StepStats,
     TokenDelta,
     TokenLogprob,
     TurnPreempted,

@@ -9,14 +9,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
-from engine.events import CacheSnapshot
+from engine.events import CacheSnapshot, EngineInfo, StepStats
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampler import Sampler, SamplingTensors, argmax, make_generator, token_logprobs
@@ -39,49 +37,6 @@ class ContextLengthError(RequestError):
     """A prompt (a chat's last message, with the system prompt) longer than the context."""
 
     code = "context_length_exceeded"
-
-
-@dataclass
-class EngineInfo:
-    name: str
-    is_demo: bool
-    device: str
-    dtype: str
-    backend: str
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's own sampling settings
-    generation_source: str = ""  # "generation_config.json", "GGUF metadata" or "" (none)
-    kv_block_bytes: int = 0  # one block's K and V, all layers
-    reason: str = ""  # why this dtype and these kernels (engine/defaults.py)
-    quantization: str = ""  # what load_model was asked for ("auto": as the file has them)
-    kernels: str = ""  # what runs the CPU math: "rosechat avx2 (...)" or "torch (why)"; "cuda" on a GPU
-
-    @property
-    def runs_on(self) -> str:
-        """Short, for a title: "cpu avx2" (our kernels), "cpu torch" (torch's: ours did not load; the attention
-        backend is torch there anyway), or the device and attention backend elsewhere ("cuda triton")."""
-        if self.device == "cpu":
-            return f"cpu {self.kernels.split(' (')[0].removeprefix('rosechat ')}"
-        return f"{self.device} {self.backend}"
-
-
-@dataclass
-class StepStats:
-    """One step, for the stats hook `LLMEngine.on_step` (the bench). Times in seconds, the device synchronised
-    at each boundary; blocks right after scheduling, when a step holds the most."""
-
-    num_seqs: int
-    num_decodes: int
-    num_tokens: int  # tokens computed this step
-    context_tokens: int  # sum over the batch of each sequence's context after this step
-    used_blocks: int  # blocks in use
-    held_blocks: int  # the same holders' blocks if nothing were shared (sum of block tables)
-    schedule_s: float
-    prepare_s: float  # model inputs and attention metadata
-    model_s: float  # forward + logits (+ copy-on-write copies)
-    sample_s: float  # advance, n-sample forks, sampling
 
 
 def _penalised(seq: Sequence) -> list[int]:
@@ -396,4 +351,5 @@ class EngineCore:
             owners=tuple(owners), num_running=len(sched.running), num_waiting=len(sched.waiting),
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, cow_copies=bm.cow_copies,
             preemptions=sched.preemptions, tokens_per_s=self.tokens_per_s(), time=time.monotonic(),
+            constrained=tuple(sorted({s.owner for g in self.groups.values() if g.grammar is not None for s in g.seqs})),
         )  # fmt: skip

@@ -1,11 +1,12 @@
-"""What the engine reports outward: cache snapshots and the engine thread's events.
+"""What the engine reports outward: cache snapshots, the engine thread's events, its info and step stats.
 
 Plain frozen dataclasses, so they can cross threads and be rendered by any front end.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 FREE, CACHED, USED = 0, 1, 2  # per-block state in a CacheSnapshot
 
@@ -27,6 +28,7 @@ class CacheSnapshot:
     preemptions: int = 0
     tokens_per_s: float = 0.0  # generated tokens per second, recent window
     time: float = 0.0  # time.monotonic() when taken
+    constrained: tuple[str, ...] = ()  # holders whose running request is held to a grammar (structured output)
 
     @property
     def used_blocks(self) -> int:
@@ -151,7 +153,50 @@ class LoadProgress:
 
 Event = TurnStarted | TurnPreempted | TokenDelta | Finished | EngineError | CacheSnapshot
 
+@dataclass
+class EngineInfo:
+    name: str
+    is_demo: bool
+    device: str
+    dtype: str
+    backend: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's own sampling settings
+    generation_source: str = ""  # "generation_config.json", "GGUF metadata" or "" (none)
+    kv_block_bytes: int = 0  # one block's K and V, all layers
+    reason: str = ""  # why this dtype and these kernels (engine/defaults.py)
+    quantization: str = ""  # what load_model was asked for ("auto": as the file has them)
+    kernels: str = ""  # what runs the CPU math: "rosechat avx2 (...)" or "torch (why)"; "cuda" on a GPU
+
+    @property
+    def runs_on(self) -> str:
+        """Short, for a title: "cpu avx2" (our kernels), "cpu torch" (torch's: ours did not load; the attention
+        backend is torch there anyway), or the device and attention backend elsewhere ("cuda triton")."""
+        if self.device == "cpu":
+            return f"cpu {self.kernels.split(' (')[0].removeprefix('rosechat ')}"
+        return f"{self.device} {self.backend}"
+
+
+@dataclass
+class StepStats:
+    """One step, for the stats hook `LLMEngine.on_step` (the bench). Times in seconds, the device synchronised
+    at each boundary; blocks right after scheduling, when a step holds the most."""
+
+    num_seqs: int
+    num_decodes: int
+    num_tokens: int  # tokens computed this step
+    context_tokens: int  # sum over the batch of each sequence's context after this step
+    used_blocks: int  # blocks in use
+    held_blocks: int  # the same holders' blocks if nothing were shared (sum of block tables)
+    schedule_s: float
+    prepare_s: float  # model inputs and attention metadata
+    model_s: float  # forward + logits (+ copy-on-write copies)
+    sample_s: float  # advance, n-sample forks, sampling
+
+
 __all__ = [
-    "CACHED", "FREE", "USED", "CacheSnapshot", "EngineError", "Event", "Finished", "LoadProgress", "TokenDelta",
-    "TurnPreempted", "TurnStarted", "Usage",
+    "CACHED", "FREE", "USED", "CacheSnapshot", "EngineError", "EngineInfo", "Event", "Finished", "LoadProgress",
+    "StepStats", "TokenDelta", "TurnPreempted", "TurnStarted", "Usage",
 ]

@@ -8,6 +8,7 @@ one ``EngineEvents`` message when something is pending, and its handler has the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,7 +72,7 @@ class RoseChatApp(App[None]):
         self.export_dir = export_dir  # None: history.export_dir from the config
         self._engine_factory = engine_factory  # tests may pass one; default LLMEngine.from_pretrained
         self.llm: LLMEngine | None = None  # the model, once loaded here (None with a remote server)
-        self.link = EngineLink(self, self.sampling_params)  # the backend, and its events to the tabs and the panel
+        self.link = EngineLink(self, self.params_for)  # the backend, and its events to the tabs and the panel
         self.model_notice = model_notice  # why the demo model runs instead of the configured one
         self.saver = Saver(history, self._model_name, self.notify)
         self._terminal = TerminalWatch(self._exit_from_thread)
@@ -179,6 +180,15 @@ class RoseChatApp(App[None]):
     def ready(self) -> bool:
         return self.engine is not None
 
+    def params_for(self, tab: ChatTab, n: int) -> SamplingParams:
+        """sampling_params, held to a JSON object where the tab is in JSON mode."""
+        params = self.sampling_params(n)
+        if tab.json_mode:
+            from engine import StructuredOutput
+
+            params = dataclasses.replace(params, structured=StructuredOutput(json_object=True))
+        return params
+
     def sampling_params(self, n: int) -> SamplingParams:
         """What a reply with ``n`` alternatives is sampled with: config.toml's [sampling] over the model's
         own generation defaults (a subclass may change them: `rosechat bench app` runs every reply to max_tokens)."""
@@ -229,6 +239,10 @@ class RoseChatApp(App[None]):
         if not text:  # only spaces and newlines: nothing to send, nothing worth keeping
             event.input.value = ""
             return
+        if text.lower() == "/json":  # a command, not a message
+            event.input.value = ""
+            self.toggle_json(tab)
+            return
         if self.engine is None and self.load_error is None:  # loading: kept, and sent once it is ready
             event.input.value = ""
             await tab.queue(text)
@@ -240,9 +254,18 @@ class RoseChatApp(App[None]):
 
     async def send(self, tab: ChatTab, text: str) -> str:
         """Add a user message to ``tab`` and start the reply; returns the request id."""
-        rid = await tab.send(text, self.sampling_params(1))
+        rid = await tab.send(text, self.params_for(tab, 1))
         self.requests[rid] = tab  # before the next drain can run (same thread): no event is missed
         return rid
+
+    def action_toggle_json(self) -> None:
+        if (tab := self.active_tab) is not None:
+            self.toggle_json(tab)
+
+    def toggle_json(self, tab: ChatTab) -> None:
+        tab.json_mode = not tab.json_mode
+        self.notify("JSON mode: each reply is a JSON object." if tab.json_mode else "JSON mode off.",
+                    title=tab.chat_title)
 
     def action_stop(self) -> None:
         if (tab := self.active_tab) is not None:
@@ -252,7 +275,7 @@ class RoseChatApp(App[None]):
         tab = self.active_tab
         if tab is None or not self.link.can_start(tab):
             return
-        if (rid := await tab.regenerate(self.sampling_params(self.config.chat.alternatives))) is not None:
+        if (rid := await tab.regenerate(self.params_for(tab, self.config.chat.alternatives))) is not None:
             self.requests[rid] = tab
 
     async def action_cycle(self, step: int) -> None:

@@ -28,6 +28,7 @@ BINDINGS = [
     Binding("alt+left", "cycle(-1)", "Prev alt", show=False),
     Binding("alt+right", "cycle(1)", "Next alt", show=False),
     Binding("ctrl+k", "toggle_kv", "KV", priority=True),
+    Binding("alt+j", "toggle_json", "JSON mode", show=False, priority=True),
     Binding("ctrl+y", "copy_reply", "Copy reply", show=False, priority=True),
     Binding("alt+y", "copy_code", "Copy code", show=False, priority=True),
     Binding("f2", "toggle_kv", "KV cache", show=False),
@@ -39,7 +40,8 @@ BINDINGS = [
 # The chat's own actions: under a dialog (conversations, system prompt, rename) their keys would act
 # on the tabs behind it (ctrl+w closing one unseen), so they wait until it closes
 TAB_ACTIONS = frozenset({"new_tab", "close_tab", "fork", "next_tab", "previous_tab", "goto_tab", "stop",
-                         "regenerate", "cycle", "copy_reply", "copy_code", "system_prompt", "conversations"})
+                         "regenerate", "cycle", "copy_reply", "copy_code", "system_prompt", "conversations",
+                         "toggle_json"})
 
 # (palette name, help, action): the action is run with App.run_action, like a key binding.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -55,6 +57,8 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("Copy reply", "Copy the last reply (the alternative shown) to the clipboard (ctrl+y)", "copy_reply"),
     ("Copy code block", "Copy the last code block of the last reply to the clipboard (alt+y)", "copy_code"),
     ("Toggle KV cache panel", "Show or hide the block map of the KV cache (ctrl+k, f2)", "toggle_kv"),
+    ("JSON mode", "Hold this tab's replies to a JSON object, or let them go free again (alt+j, /json)",
+     "toggle_json"),
     ("Edit system prompt", "Change this conversation's system prompt (f3)", "system_prompt"),
     ("Conversations", "Reopen, rename, delete or export saved conversations (ctrl+o, f4)", "conversations"),
     ("Rename conversation", "Give this conversation a new title", "rename"),

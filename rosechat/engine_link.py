@@ -39,9 +39,9 @@ DRAIN_HZ = 30
 class EngineLink:
     """The backend (once it runs, or why it never will), its event buffer, and where each event goes."""
 
-    def __init__(self, app: App[Any], sampling_params: Callable[[int], SamplingParams]) -> None:
+    def __init__(self, app: App[Any], params_for: Callable[[ChatTab, int], SamplingParams]) -> None:
         self.app = app
-        self.sampling_params = sampling_params  # the app's: what a queued message's reply is sampled with
+        self.params_for = params_for  # the app's: what a tab's queued message's reply is sampled with
         self.backend: Backend | None = None  # once it runs (None again once shut down)
         self.load_error: str | None = None  # why no model could be loaded
         self.events = EventBuffer()
@@ -62,7 +62,7 @@ class EngineLink:
 
     async def send_queued(self, tab: ChatTab) -> None:
         """The next message queued in ``tab``, if the backend runs and the tab is not replying."""
-        if self.backend is not None and (rid := await tab.send_queued(self.sampling_params(1))) is not None:
+        if self.backend is not None and (rid := await tab.send_queued(self.params_for(tab, 1))) is not None:
             self.requests[rid] = tab
 
     def failed(self, error: str) -> None:

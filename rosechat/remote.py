@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -247,6 +248,16 @@ class RemoteBackend:
                 extra[name] = value
         if params.ignore_eos:
             extra["ignore_eos"] = True
+        if (spec := params.structured) is not None:  # JSON mode (or a schema): OpenAI's field, vLLM's for the rest
+            if spec.json_object:
+                args["response_format"] = {"type": "json_object"}
+            elif spec.json is not None and not (spec.prefix or spec.suffix):
+                schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+                args["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+            else:
+                extra["structured_outputs"] = {k: v for k in ("json", "regex", "choice", "grammar")
+                                               if (v := getattr(spec, k)) is not None}
         if salt is not None:
             extra["cache_salt"] = salt
         if extra:

@@ -88,5 +88,6 @@ def snapshot_from_json(data: dict[str, Any]) -> CacheSnapshot:
     for key in ("state", "refcount"):
         values[key] = tuple(values[key])
     values["owners"] = tuple(tuple(o) for o in values["owners"])
+    values["constrained"] = tuple(values.get("constrained", ()))
     values["time"] = time.monotonic()  # the server's clock means nothing here
     return CacheSnapshot(**values)

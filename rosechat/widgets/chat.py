@@ -55,9 +55,12 @@ class ChatInput(TextArea):
         input: ChatInput
         value: str
 
+    PLACEHOLDER = "Message (Enter sends, ctrl+j: new line)"
+    JSON_PLACEHOLDER = "JSON mode: each reply is a JSON object (alt+j or /json: off)"
+
     def __init__(self, *, classes: str | None = None) -> None:
         super().__init__(soft_wrap=True, tab_behavior="focus", compact=True, classes=classes,
-                         placeholder="Message (Enter sends, ctrl+j: new line)")
+                         placeholder=self.PLACEHOLDER)
 
     @property
     def value(self) -> str:

@@ -209,13 +209,15 @@ def _full_rows(s: CacheSnapshot, used: int) -> list[tuple[str, str]]:
 
 
 def legend_text(snapshot: CacheSnapshot, owner_styles: Mapping[str, OwnerStyle], width: int = 80) -> Text:
-    """The block kinds, then an entry per holder present (deduplicated by label), wrapped between entries."""
+    """The block kinds, then an entry per holder present (deduplicated by label; "{}" marks one whose reply is
+    held to a grammar: JSON mode, a schema), wrapped between entries."""
     present: dict[str, str] = {}  # label -> colour, in order of first appearance
+    constrained = set(snapshot.constrained)
     for holders in snapshot.owners:
         for owner in holders:
             style = owner_styles.get(owner)
             label, color = (style.label, style.color) if style else (owner[:10], owner_color(owner))
-            present.setdefault(label, color)
+            present.setdefault(label + (" {}" if owner in constrained else ""), color)
     entries = [
         Text.assemble(("2", "bold #000000 on #bbbbbb"), " shared (refcount)"),
         Text.assemble(("▒", "#7f8491"), " cached"),

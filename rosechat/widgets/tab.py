@@ -55,6 +55,7 @@ class ChatTab(TabPane):
     chat_title: reactive[str] = reactive(NEW_CHAT, init=False)
     generating: reactive[bool] = reactive(False, init=False)
     system_prompt: reactive[str] = reactive("", init=False)
+    json_mode: reactive[bool] = reactive(False, init=False)  # replies held to a JSON object (a grammar)
 
     def __init__(self, title: str, *, color: str, system_prompt: str, saver: Saver, id: str | None = None) -> None:
         super().__init__(self._label(color, title), id=id)
@@ -87,14 +88,23 @@ class ChatTab(TabPane):
         event.prevent_default()
 
     @staticmethod
-    def _label(color: str, title: str) -> str:
-        return f"[{color}]●[/] {escape(title_from(title, 24))}"
+    def _label(color: str, title: str, json_mode: bool = False) -> str:
+        return f"[{color}]●[/] {escape(title_from(title, 24))}" + (" [b]{}[/]" if json_mode else "")
 
-    def watch_chat_title(self, title: str) -> None:
+    def _relabel(self) -> None:
         try:
-            self.query_ancestor(TabbedContent).get_tab(self).label = self._label(self.color, title)
+            self.query_ancestor(TabbedContent).get_tab(self).label = self._label(self.color, self.chat_title,
+                                                                                 self.json_mode)
         except NoMatches:  # not (or no longer) in the tabs
             pass
+
+    def watch_chat_title(self) -> None:
+        self._relabel()
+
+    def watch_json_mode(self, json_mode: bool) -> None:
+        self._relabel()
+        self.set_class(json_mode, "-json")
+        self.input.placeholder = ChatInput.JSON_PLACEHOLDER if json_mode else ChatInput.PLACEHOLDER
 
     def watch_generating(self, generating: bool) -> None:
         self.set_class(generating, "-generating")

@@ -4,15 +4,17 @@ server going away mid-reply."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+import jsonschema
 import openai
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams, StructuredOutput
 from engine.events import CacheSnapshot, EngineError, Finished, TokenDelta, TurnStarted
 from rosechat.remote import RemoteBackend, split_base_url
 from rosechat.server.app import ServerSettings, create_app
@@ -132,6 +134,22 @@ def test_a_salted_conversation_shares_the_servers_cache_only_with_its_salt(serve
         first = prefilled(salted)
         assert prefilled(b.new_conversation()) == first  # unsalted: none of the salted blocks
         assert prefilled(b.fork_conversation(salted)) < first  # a fork keeps the salt: the cache hits
+    finally:
+        b.shutdown()
+
+
+def test_json_mode_and_a_schema_pass_through_to_the_server(server: BackgroundServer) -> None:
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["k", "n"], "additionalProperties": False}
+    b, events = backend(server.url, api_key="k3y")
+    try:
+        for spec in (StructuredOutput(json_object=True), StructuredOutput(json=schema)):
+            params = SamplingParams(max_tokens=60, temperature=1.0, seed=2, structured=spec)
+            end = events.end_of(b.submit_turn(b.new_conversation(), chat("some JSON please"), params))
+            assert isinstance(end, Finished), end
+            assert end.texts[0].startswith("{"), end.texts
+            if spec.json is not None:  # bounded: it always ends
+                assert end.finish_reasons == ("stop",) and jsonschema.validate(json.loads(end.texts[0]), schema) is None
     finally:
         b.shutdown()
 
