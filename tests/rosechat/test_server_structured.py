@@ -112,3 +112,41 @@ def test_a_bad_schema_is_a_400_naming_the_problem(server: BackgroundServer) -> N
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
         "model": "demo", "messages": MESSAGES, "response_format": {"type": "json_schema"}})
     assert r.status_code == 400 and "json_schema" in r.json()["error"]["message"]
+
+
+def test_real_model_replies_hold_to_every_schema_streamed_and_not() -> None:
+    """SmolLM2-135M-Instruct behind `rosechat serve`: the bench's schemas (nested objects, enums, arrays,
+    required fields, bounded integers) and one more, n = 4, streamed and not: every finished reply valid."""
+    from engine import LLMEngine
+    from rosechat.bench.structured import JSON_PROMPTS, SCHEMAS
+    from rosechat.server.app import ServerSettings, create_app
+    from rosechat.server.run import start_background
+
+    schemas = [*SCHEMAS, SCHEMA]
+    prompts = [*JSON_PROMPTS, "Describe a city as JSON."]
+    llm = LLMEngine.from_pretrained("smollm2-135m-instruct", num_blocks=512, block_size=16)
+    server = start_background(create_app(llm, ServerSettings(model_name="smol")))
+    finished = 0
+    try:
+        c = client(server)
+        for schema, prompt in zip(schemas, prompts, strict=True):
+            for stream in (False, True):
+                kwargs = dict(model="smol", messages=[{"role": "user", "content": prompt}], n=4, temperature=0.7,
+                              seed=1, max_tokens=120, response_format=_schema_format(schema))
+                if stream:
+                    texts, reasons = [""] * 4, [None] * 4
+                    for chunk in c.chat.completions.create(stream=True, **kwargs):
+                        for ch in chunk.choices:
+                            texts[ch.index] += ch.delta.content or ""
+                            reasons[ch.index] = ch.finish_reason or reasons[ch.index]
+                else:
+                    r = c.chat.completions.create(**kwargs)
+                    texts, reasons = [ch.message.content for ch in r.choices], [ch.finish_reason for ch in r.choices]
+                for text, reason in zip(texts, reasons):
+                    assert reason in ("stop", "length"), reason
+                    if reason == "stop":
+                        jsonschema.validate(json.loads(text), schema)
+                        finished += 1
+    finally:
+        server.stop()
+    assert finished >= 36, f"only {finished} of 40 replies finished inside max_tokens"
