@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from engine.config import EngineConfig
 from engine.events import CacheSnapshot, EngineInfo, StepStats
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
-from engine.sampler import Sampler, SamplingTensors, argmax, make_generator, token_logprobs
+from engine.sampler import Sampler, SamplingTensors, argmax, make_generator, prompt_logprobs, token_logprobs
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 from engine.structured import GrammarError, StructuredOutputs
@@ -143,6 +144,10 @@ class EngineCore:
             raise RequestError(str(e)) from None
         group = SequenceGroup(request_id, [seq], params, conversation_id=conversation_id, prompt_len=len(seq),
                               grammar=grammar)
+        if params.prompt_logprobs is not None:  # every prompt position computed here: a chain no other hits
+            group.prompt_logprobs = [None] * (seq.num_computed_tokens + 1)
+            if seq.num_computed_tokens == 0:
+                seq.cache_salt, seq.block_hashes = os.urandom(16).hex(), []
         seq.group, seq.index, seq.owner = group, 0, conversation_id or request_id
         seq.num_prompt_tokens, seq.finish_reason, seq.finish_time, seq.generator = len(seq), None, None, None
         seq.detokenizer, seq.pending_text = None, ""  # a parked sequence's last turn is done with
@@ -184,7 +189,11 @@ class EngineCore:
         t1 = time.perf_counter()
         stats = self._stats(batch, t1 - t0) if timed else None
         try:
-            logits = self.runner.run(batch, sync=timed)  # copy-on-write copies first, then the forward
+            scoring = any(s.group.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
+                          and len(s.group.prompt_logprobs) < s.num_prompt_tokens for s in batch.seqs)
+            logits = self.runner.run(batch, all_logits=scoring, sync=timed)  # copy-on-write first, then the forward
+            if scoring:  # every position's logits: the prompt's logprobs, then the rows that sample
+                logits = self._score_prompts(batch, logits)
             t2 = time.perf_counter()
             rows, seqs = self.scheduler.advance(batch)
             if len(rows) != len(logits):  # n > 1 groups forked: their rows repeat
@@ -201,6 +210,23 @@ class EngineCore:
             stats.model_s, stats.sample_s = t2 - t1 - stats.prepare_s, t3 - t2
             self.on_step(stats)
         return self._collect(groups)
+
+    def _score_prompts(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs of the batch's sequences that ask; returns the rows of those that sample."""
+        rows, offset = [], 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start, group = seq.num_computed_tokens, seq.group
+            if group.params.prompt_logprobs is not None:  # positions not scored yet (not again after a preemption)
+                lo = max(start, len(group.prompt_logprobs) - 1)
+                hi = min(start + n, seq.num_prompt_tokens - 1)  # the last prompt position scores the reply
+                if hi > lo:
+                    group.prompt_logprobs += prompt_logprobs(logits[offset + lo - start : offset + hi - start],
+                                                             seq.token_ids[lo + 1 : hi + 1],
+                                                             group.params.prompt_logprobs)
+            if start + n == len(seq):
+                rows.append(offset + n - 1)
+            offset += n
+        return logits[rows]
 
     def _stats(self, batch: ScheduledBatch, schedule_s: float) -> StepStats:
         bm = self.block_manager

@@ -97,6 +97,8 @@ class TokenDelta:
     index: int  # which sample of the request (0..n-1)
     text: str  # new text since the last delta (never a broken UTF-8 character)
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens sampled since the last delta, when asked for
+    # the request's first delta after its prompt is scored carries them, when asked for (None: the first token)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class Finished:
     sample_tokens: tuple[int, ...] = ()
     sample_tokens_per_s: tuple[float, ...] = ()
     logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None  # per sample, when asked for
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # per prompt token (None: the first), if asked
 
 
 @dataclass(frozen=True)

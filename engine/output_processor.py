@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class RequestOutput:
     sample_tokens_per_s: list[float] = field(default_factory=list)  # each sample's own decode rate
     error: str | None = None
     events: list[Event] = field(default_factory=list)  # what the engine thread sends for this output
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None: the first), when asked for
 
 
 class OutputProcessor:
@@ -78,7 +80,11 @@ class OutputProcessor:
             request_id=rid, conversation_id=cid, prompt_token_ids=group.seqs[0].token_ids[: group.prompt_len],
             outputs=outputs, finished=finished, deltas=deltas, delta_logprobs=delta_logprobs, error=group.error,
             events=[TokenDelta(rid, cid, index, text, lps) for (index, text), lps in zip(deltas, delta_logprobs)],
+            prompt_logprobs=list(group.prompt_logprobs) if group.params.prompt_logprobs is not None else None,
         )  # fmt: skip
+        if out.events and not group.prompt_logprobs_sent and group.params.prompt_logprobs is not None:
+            out.events[0] = dataclasses.replace(out.events[0], prompt_logprobs=tuple(group.prompt_logprobs))
+            group.prompt_logprobs_sent = True  # a delta comes only after the prompt: it is all scored
         if finished:
             self._finalise(out, group)
         return out
@@ -106,4 +112,5 @@ class OutputProcessor:
             sample_tokens=tuple(len(o.token_ids) for o in out.outputs),
             sample_tokens_per_s=tuple(out.sample_tokens_per_s),
             logprobs=None if group.params.logprobs is None else tuple(tuple(o.logprobs or ()) for o in out.outputs),
+            prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
         ))  # fmt: skip

@@ -195,6 +195,16 @@ class Sampler:
         return torch.searchsorted(cum, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
+def prompt_logprobs(logits: Tensor, next_tokens: list[int], k: int) -> list[TokenLogprob]:
+    """Each prompt position's logits [n, vocab] scoring the token that follows it (vLLM's prompt logprobs:
+    the model's raw distribution), with the k most likely tokens there."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(next_tokens, device=lp.device)[:, None])[:, 0].tolist()
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(next_tokens, chosen, top_i.tolist(),
+                                                                         top_v.tolist())]
+
+
 def token_logprobs(logits: Tensor, rows: list[int], tokens: Tensor, params: list[SamplingParams],
                    seen_token_ids: list[list[int]] | None) -> list[TokenLogprob]:
     """For the rows that asked: the sampled token's log-probability under the distribution sampled from

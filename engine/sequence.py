@@ -67,6 +67,10 @@ class SamplingParams:
     # None: no logprobs; k >= 0: each sampled token's log-probability and the k most likely tokens' (the
     # distribution sampled from: after the repetition penalty and temperature, before top-k/top-p/min-p)
     logprobs: int | None = None
+    # None: none; k >= 0: each prompt token's log-probability given the tokens before it (the model's own
+    # distribution, no penalty or temperature) and the k most likely there; the prompt's KV is then all
+    # computed for this request (no prefix-cache hits), as every position's logits are needed
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # the reply must match this (JSON Schema, regex, ...)
 
     def __post_init__(self) -> None:
@@ -82,6 +86,8 @@ class SamplingParams:
             (w is None or w >= 1, "repetition_window must be >= 1 or None", w),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be None or in [0, {MAX_LOGPROBS}]", self.logprobs),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}]", self.prompt_logprobs),
         ):
             if not ok:
                 raise ValueError(f"{rule}, got {value}")
@@ -161,6 +167,9 @@ class SequenceGroup:
     first_token_time: float | None = None
     prompt_len: int = 0
     prefilled_tokens: int = 0  # prompt tokens computed (not served by the cache), all sequences
+    # per prompt token when params.prompt_logprobs asks: None for the first (nothing before it)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # on a TokenDelta (the Finished event has them whatever)
     error: str | None = None  # set when the request failed
     dropped_messages: int = 0  # oldest chat messages left out so the history fits the context
     max_tokens_clamped: bool = False  # params.max_tokens was lowered to what the context leaves

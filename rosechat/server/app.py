@@ -200,7 +200,8 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
     async def stream(turn: Turn, body: ChatCompletionRequest | CompletionRequest, kind: str,
-                     tool_plan: ToolPlan | None = None, echo: str = "") -> AsyncIterator[str]:
+                     tool_plan: ToolPlan | None = None, echo: str = "",
+                     echo_tokens: list[int] | None = None) -> AsyncIterator[str]:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -210,8 +211,12 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
 
         filters = [StreamFilter(tool_plan) for _ in range(body.n)] if tool_plan else None
 
+        prompt_ids = echo_tokens  # echoed with its logprobs: the first chunk waits for them (a delta or the end)
+        waiting_echo = bool(echo) and prompt_ids is not None
+
         def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False,
-                  lps: tuple[TokenLogprob, ...] = (), calls: list[ToolCall] | None = None) -> str:
+                  lps: tuple[TokenLogprob, ...] = (), calls: list[ToolCall] | None = None,
+                  prompt: tuple[Any, ...] | None = None) -> str:
             if kind == "chat":
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text is not None:
@@ -221,16 +226,20 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                 logprobs = formatter.chat(lps) if lps else None
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                logprobs = formatter.completion(lps, offsets[index]) if lps else None
+                logprobs = formatter.completion(lps, offsets[index], prompt) if lps or prompt else None
                 offsets[index] += len(text or "")
                 choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             return sse({**head, "choices": [choice], **extra})
 
         try:
-            for i in range(body.n if kind == "chat" or echo else 0):
+            for i in range(body.n if kind == "chat" or echo and not waiting_echo else 0):
                 yield chunk(i, None, role=True) if kind == "chat" else chunk(i, echo)
             while True:
                 ev = await turn.events.get()
+                if waiting_echo and isinstance(ev, (TokenDelta, Finished)) and ev.prompt_logprobs is not None:
+                    for i in range(body.n):
+                        yield chunk(i, echo, prompt=(prompt_ids, ev.prompt_logprobs))
+                    waiting_echo = False
                 if isinstance(ev, TokenDelta):
                     text = filters[ev.index].feed(ev.text) if filters else ev.text
                     if text or ev.logprobs or not filters:
@@ -261,11 +270,13 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                 "tool_calls" if reason == "stop" else reason)
 
     async def respond(request: Request, body: ChatCompletionRequest | CompletionRequest, tokens: list[int],
-                      params: SamplingParams, kind: str, tool_plan: ToolPlan | None = None, echo: str = "") -> Response:
+                      params: SamplingParams, kind: str, tool_plan: ToolPlan | None = None, echo: str = "",
+                      ) -> Response:  # fmt: skip
         await compile_structured(body, params)
         turn = await start_turn(tokens, params, body.cache_salt)
         if body.stream:
-            return TurnStream(stream(turn, body, kind, tool_plan, echo), lambda: hub.release(turn))
+            echo_tokens = tokens if echo and params.prompt_logprobs is not None else None
+            return TurnStream(stream(turn, body, kind, tool_plan, echo, echo_tokens), lambda: hub.release(turn))
         ev = await finish_or_disconnect(request, turn)
         if ev is None:
             return Response(status_code=499)  # nobody reads it
@@ -277,7 +288,9 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                        for message, finish in [assistant_message(text, reason, tool_plan)]]
             obj, prefix = "chat.completion", "chatcmpl"
         else:
-            choices = [{"index": i, "text": echo + text, "logprobs": None if lp is None else formatter.completion(lp),
+            prompt = (tokens, ev.prompt_logprobs) if echo and ev.prompt_logprobs is not None else None
+            choices = [{"index": i, "text": echo + text,
+                        "logprobs": None if lp is None else formatter.completion(lp, 0, prompt),
                         "finish_reason": reason}
                        for i, (text, reason, lp) in enumerate(zip(ev.texts, ev.finish_reasons, lps))]
             obj, prefix = "text_completion", "cmpl"
@@ -332,9 +345,6 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                           param="echo", code="unsupported")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -344,6 +354,8 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         tokens = llm.encode(prompt)  # type: ignore[arg-type]  # token ids out of the vocabulary: the engine refuses
         params = sampling_params(body, len(tokens), body.max_tokens, "prompt")
         echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(tokens)) if body.echo else ""
+        if echo and body.logprobs is not None:  # the prompt's own logprobs too (what evaluation harnesses score)
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         return await respond(request, body, tokens, params, "completion", echo=echo)
 
     @app.get("/metrics")

@@ -30,12 +30,16 @@ class LogprobFormatter:
                              "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in lps],
                 "refusal": None}
 
-    def completion(self, lps: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-        """`offset`: where this piece's text starts in the completion (for text_offset)."""
-        tokens = [self.token(lp.token_id) for lp in lps]
+    def completion(self, lps: Sequence[TokenLogprob], offset: int = 0,
+                   prompt: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None) -> dict[str, Any]:
+        """`offset`: where this piece's text starts in the completion (for text_offset). `prompt`: the echoed
+        prompt's token ids and logprobs (None for its first token, which nothing scores), put first."""
+        ids = [*(prompt[0] if prompt else ()), *(lp.token_id for lp in lps)]
+        scored = [*(prompt[1] if prompt else ()), *lps]
+        tokens = [self.token(t) for t in ids]
         offsets = []
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for lp in scored],
+                "top_logprobs": [lp and {self.token(t): v for t, v in lp.top} for lp in scored], "text_offset": offsets}

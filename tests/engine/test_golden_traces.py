@@ -33,7 +33,7 @@ from engine import (
 
 GOLDEN = Path(__file__).parent / "golden"
 TIMING = {"ttft_s", "total_s", "tokens_per_s", "sample_tokens_per_s", "time"}
-ASKED_FOR = {"logprobs"}  # fields empty unless a request asks for them (no session here does): left out
+ASKED_FOR = {"logprobs", "prompt_logprobs", "constrained"}  # empty unless a request asks (none here does): left out
 SYSTEM = {"role": "system", "content": "you are a helpful assistant and answer briefly"}
 
 

@@ -80,3 +80,28 @@ def test_logprobs_out_of_range_are_refused() -> None:
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_score_every_prompt_token_chunked_cached_and_preempted(tmp_path) -> None:
+    """Each prompt token's log-probability given those before it, as score() gives them, in prefill chunks;
+    a prompt already in the prefix cache is computed again (every position is needed); a tight pool that
+    preempts a request does not score its prompt twice; and the reply is the one without prompt logprobs."""
+    path = make_tiny_model(tmp_path / "m", "llama")
+    eng = LLMEngine.from_pretrained(str(path), device="cpu", block_size=4, num_blocks=20, max_num_batched_tokens=8)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (23, 17, 30, 9)]
+    plain = eng.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))  # now in the prefix cache
+    outs = eng.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True, prompt_logprobs=3))
+    assert eng.cache_snapshot().preemptions >= 1
+    for prompt, out, ref in zip(prompts, outs, plain):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        pl = out.prompt_logprobs
+        assert len(pl) == len(prompt) and pl[0] is None
+        want = torch.log_softmax(eng.score(prompt)[:-1].float(), dim=-1)
+        for i, lp in enumerate(pl[1:], start=1):
+            assert lp.token_id == prompt[i] and abs(lp.logprob - want[i - 1, prompt[i]].item()) < 1e-4
+            top = want[i - 1].topk(3)
+            assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert out.usage.prefilled_tokens >= len(prompt)  # none of it came from the cache (a preempted one: twice)

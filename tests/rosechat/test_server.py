@@ -144,8 +144,25 @@ def test_completions_echo_the_prompt_streamed_and_not(server: BackgroundServer) 
     plain = c.completions.create(model="demo", prompt=ids, max_tokens=2, temperature=0).choices[0].text
     echoed_ids = c.completions.create(model="demo", prompt=ids, max_tokens=2, temperature=0, echo=True)
     assert echoed_ids.choices[0].text.endswith(plain) and len(echoed_ids.choices[0].text) > len(plain)
-    with pytest.raises(openai.BadRequestError, match="prompt's logprobs"):
-        c.completions.create(model="demo", prompt="x", max_tokens=1, echo=True, logprobs=1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_streamed_and_not(server: BackgroundServer) -> None:
+    """What evaluation harnesses send: the prompt's tokens with their logprobs (the first has none), then the
+    completion's, in one legacy logprobs object; streamed, the echo chunk carries the prompt's."""
+    c = client(server)
+    kw = dict(model="demo", prompt="the cat sat on the mat", max_tokens=3, temperature=0, echo=True, logprobs=2)
+    r = c.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    n_prompt, n_out = r.usage.prompt_tokens, r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + n_out
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and r.choices[0].text.startswith("the cat sat on the mat")
+    chunks = [ch.choices[0] for ch in c.completions.create(stream=True, **kw) if ch.choices]
+    assert chunks[0].text == "the cat sat on the mat"
+    assert chunks[0].logprobs.token_logprobs == lp.token_logprobs[:n_prompt]
+    streamed = [v for ch in chunks[1:] if ch.logprobs for v in ch.logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs[n_prompt:])
 
 
 def test_resent_history_hits_the_prefix_cache(server: BackgroundServer) -> None:
