@@ -117,13 +117,14 @@ class Marker(Message):
     ahead of it on its way has been handled."""
 
 
-def spy_submit(app: RoseChatApp) -> list[list[dict[str, str]]]:
-    """Record the messages of every turn the app submits to the engine thread."""
-    calls: list[list[dict[str, str]]] = []
+def spy_submit(app: RoseChatApp, keep: Callable[[list[dict[str, str]], Any], Any] = lambda messages, _: messages,
+               ) -> list[Any]:  # fmt: skip
+    """Record what `keep` takes (by default the messages) of every turn the app submits to the engine thread."""
+    calls: list[Any] = []
     submit = app.engine.submit_turn
 
     def spy(cid: str, messages: list[dict[str, str]], params: Any) -> str:
-        calls.append(messages)
+        calls.append(keep(messages, params))
         return submit(cid, messages, params)
 
     app.engine.submit_turn = spy

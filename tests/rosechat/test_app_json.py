@@ -5,30 +5,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from engine.events import USED, CacheSnapshot
 from rosechat.widgets.kv_panel import OwnerStyle, legend_text
-from tests.rosechat.test_app import make_app, ready, replied, send, wait_for
-
-
-def spy_params(app) -> list[Any]:
-    calls: list[Any] = []
-    submit = app.engine.submit_turn
-
-    def spy(cid: str, messages: list[dict[str, str]], params: Any) -> str:
-        calls.append(params)
-        return submit(cid, messages, params)
-
-    app.engine.submit_turn = spy
-    return calls
+from tests.rosechat.test_app import make_app, ready, replied, send, spy_submit, wait_for
 
 
 async def test_json_mode_holds_a_tabs_replies_to_json(tmp_path: Path) -> None:
     app = make_app(tmp_path, **{"sampling.max_tokens": 48})
     async with app.run_test(size=(110, 40)) as pilot:
         await ready(pilot)
-        params = spy_params(app)
+        params = spy_submit(app, lambda _, params: params)
         tab = app.active_tab
         tab.input.value = "/json"
         await pilot.press("enter")

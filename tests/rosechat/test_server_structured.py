@@ -40,20 +40,23 @@ def _schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
 
 
+def _replies(c, stream: bool, **kwargs) -> tuple[list[str], list[str | None]]:
+    """(text, finish_reason) of each choice, streamed (the deltas put together) or not."""
+    if not stream:
+        r = c.chat.completions.create(**kwargs)
+        return [ch.message.content for ch in r.choices], [ch.finish_reason for ch in r.choices]
+    texts, reasons = [""] * kwargs.get("n", 1), [None] * kwargs.get("n", 1)
+    for chunk in c.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            reasons[ch.index] = ch.finish_reason or reasons[ch.index]
+    return texts, reasons
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_replies_validate_streamed_and_not(server: BackgroundServer, stream: bool) -> None:
-    c = client(server)
-    kwargs = dict(model="demo", messages=MESSAGES, response_format=_schema_format(SCHEMA), n=3, temperature=1.0,
-                  seed=11, max_tokens=120)
-    if stream:
-        texts, reasons = ["", "", ""], [None, None, None]
-        for chunk in c.chat.completions.create(stream=True, **kwargs):
-            for ch in chunk.choices:
-                texts[ch.index] += ch.delta.content or ""
-                reasons[ch.index] = ch.finish_reason or reasons[ch.index]
-    else:
-        r = c.chat.completions.create(**kwargs)
-        texts, reasons = [ch.message.content for ch in r.choices], [ch.finish_reason for ch in r.choices]
+    texts, reasons = _replies(client(server), stream, model="demo", messages=MESSAGES, n=3, temperature=1.0,
+                              seed=11, max_tokens=120, response_format=_schema_format(SCHEMA))
     assert reasons == ["stop"] * 3, texts
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
@@ -131,17 +134,9 @@ def test_real_model_replies_hold_to_every_schema_streamed_and_not() -> None:
         c = client(server)
         for schema, prompt in zip(schemas, prompts, strict=True):
             for stream in (False, True):
-                kwargs = dict(model="smol", messages=[{"role": "user", "content": prompt}], n=4, temperature=0.7,
-                              seed=1, max_tokens=120, response_format=_schema_format(schema))
-                if stream:
-                    texts, reasons = [""] * 4, [None] * 4
-                    for chunk in c.chat.completions.create(stream=True, **kwargs):
-                        for ch in chunk.choices:
-                            texts[ch.index] += ch.delta.content or ""
-                            reasons[ch.index] = ch.finish_reason or reasons[ch.index]
-                else:
-                    r = c.chat.completions.create(**kwargs)
-                    texts, reasons = [ch.message.content for ch in r.choices], [ch.finish_reason for ch in r.choices]
+                texts, reasons = _replies(c, stream, model="smol", messages=[{"role": "user", "content": prompt}],
+                                          n=4, temperature=0.7, seed=1, max_tokens=120,
+                                          response_format=_schema_format(schema))
                 for text, reason in zip(texts, reasons):
                     assert reason in ("stop", "length"), reason
                     if reason == "stop":
