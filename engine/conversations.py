@@ -123,7 +123,8 @@ class LLMEngine(EngineCore):
         if clamped:  # a long chat still gets a reply: as long as the context leaves room for
             params = dataclasses.replace(params, max_tokens=room)
         self._validate(tokens, params)
-        if not conv.seqs and (donor := self._prefix_donor(tokens, conv.cache_salt)) is not None:
+        if not conv.seqs and params.prompt_logprobs is None and (
+                donor := self._prefix_donor(tokens, conv.cache_salt)) is not None:
             # A new conversation that starts like a parked one (the same system prompt) shares its blocks, the
             # partly filled last one too (copied on write): a short system prompt fits in less than one block.
             child = Sequence(donor.token_ids)

@@ -145,9 +145,8 @@ class EngineCore:
         group = SequenceGroup(request_id, [seq], params, conversation_id=conversation_id, prompt_len=len(seq),
                               grammar=grammar)
         if params.prompt_logprobs is not None:  # every prompt position computed here: a chain no other hits
-            group.prompt_logprobs = [None] * (seq.num_computed_tokens + 1)
-            if seq.num_computed_tokens == 0:
-                seq.cache_salt, seq.block_hashes = os.urandom(16).hex(), []
+            self.block_manager.free(seq)  # a parked sequence's KV too: its positions need their logits
+            seq.cache_salt, seq.block_hashes, group.prompt_logprobs = os.urandom(16).hex(), [], [None]
         seq.group, seq.index, seq.owner = group, 0, conversation_id or request_id
         seq.num_prompt_tokens, seq.finish_reason, seq.finish_time, seq.generator = len(seq), None, None, None
         seq.detokenizer, seq.pending_text = None, ""  # a parked sequence's last turn is done with
@@ -189,11 +188,16 @@ class EngineCore:
         t1 = time.perf_counter()
         stats = self._stats(batch, t1 - t0) if timed else None
         try:
-            scoring = any(s.group.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
-                          and len(s.group.prompt_logprobs) < s.num_prompt_tokens for s in batch.seqs)
-            logits = self.runner.run(batch, all_logits=scoring, sync=timed)  # copy-on-write first, then the forward
-            if scoring:  # every position's logits: the prompt's logprobs, then the rows that sample
-                logits = self._score_prompts(batch, logits)
+            scoring = self._scoring_plan(batch)
+            if scoring is None:
+                logits = self.runner.run(batch, sync=timed)  # copy-on-write copies first, then the forward
+            else:  # the logits of the prompt positions due for logprobs too, then of the rows that sample
+                rows, spans = scoring
+                logits = self.runner.run(batch, rows=rows, sync=timed)
+                for group, next_tokens, first in spans:
+                    group.prompt_logprobs += prompt_logprobs(logits[first : first + len(next_tokens)], next_tokens,
+                                                             group.params.prompt_logprobs)
+                logits = logits[sum(len(t) for _, t, _ in spans):]
             t2 = time.perf_counter()
             rows, seqs = self.scheduler.advance(batch)
             if len(rows) != len(logits):  # n > 1 groups forked: their rows repeat
@@ -211,22 +215,25 @@ class EngineCore:
             self.on_step(stats)
         return self._collect(groups)
 
-    def _score_prompts(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
-        """Record the prompt logprobs of the batch's sequences that ask; returns the rows of those that sample."""
-        rows, offset = [], 0
+    def _scoring_plan(self, batch: ScheduledBatch) -> tuple[list[int], list[tuple[SequenceGroup, list[int], int]]
+                                                            ] | None:  # fmt: skip
+        """Where some prompt's logprobs are due in this batch: the token rows to take logits of (those prompt
+        positions first, then the last row of each sequence that samples) and, per scored span, its group, the
+        tokens it scores and its first row. None otherwise (the usual step)."""
+        scored, samples, spans, offset = [], [], [], 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start, group = seq.num_computed_tokens, seq.group
             if group.params.prompt_logprobs is not None:  # positions not scored yet (not again after a preemption)
-                lo = max(start, len(group.prompt_logprobs) - 1)
+                lo = len(group.prompt_logprobs) - 1
                 hi = min(start + n, seq.num_prompt_tokens - 1)  # the last prompt position scores the reply
                 if hi > lo:
-                    group.prompt_logprobs += prompt_logprobs(logits[offset + lo - start : offset + hi - start],
-                                                             seq.token_ids[lo + 1 : hi + 1],
-                                                             group.params.prompt_logprobs)
+                    assert start <= lo, "prompt positions were computed without their logits"
+                    spans.append((group, seq.token_ids[lo + 1 : hi + 1], len(scored)))
+                    scored += range(offset + lo - start, offset + hi - start)
             if start + n == len(seq):
-                rows.append(offset + n - 1)
+                samples.append(offset + n - 1)
             offset += n
-        return logits[rows]
+        return (scored + samples, spans) if spans else None
 
     def _stats(self, batch: ScheduledBatch, schedule_s: float) -> StepStats:
         bm = self.block_manager

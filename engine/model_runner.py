@@ -154,8 +154,10 @@ class ModelRunner:
                            self.k_cache.dtype, shared)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, all_logits: bool = False, sync: bool = False) -> torch.Tensor:
-        """fp32 logits of the sequences that sample, in batch order (`all_logits`: of every token instead).
+    def run(self, batch: ScheduledBatch, all_logits: bool = False, sync: bool = False,
+            rows: list[int] | None = None) -> torch.Tensor:
+        """fp32 logits of the sequences that sample, in batch order (`all_logits`: of every token instead;
+        `rows`: of these tokens of the batch, in this order).
         `sync`: wait for the device after each part, so their times (last_prepare_s) are the device's too."""
         if batch.copies:  # copy-on-write before attention reads or writes those blocks
             self.copy_blocks(batch.copies)
@@ -169,6 +171,8 @@ class ModelRunner:
             hidden = graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
+        if rows is not None:
+            logits_index = torch.tensor(rows, device=hidden.device)
         logits = self.model.compute_logits(hidden if all_logits else hidden[logits_index])
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

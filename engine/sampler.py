@@ -20,6 +20,7 @@ from engine.sequence import SamplingParams
 from kernels.cpu import ops as cpu_ops
 
 _MASK64 = (1 << 64) - 1
+LOGPROB_FLOOR = -9999.0  # the lowest logprob reported (for -inf: a token that could not be chosen)
 
 
 def _splitmix64(x: int) -> int:
@@ -198,7 +199,7 @@ class Sampler:
 def prompt_logprobs(logits: Tensor, next_tokens: list[int], k: int) -> list[TokenLogprob]:
     """Each prompt position's logits [n, vocab] scoring the token that follows it (vLLM's prompt logprobs:
     the model's raw distribution), with the k most likely tokens there."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    lp = torch.log_softmax(logits.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
     chosen = lp.gather(1, torch.tensor(next_tokens, device=lp.device)[:, None])[:, 0].tolist()
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(next_tokens, chosen, top_i.tolist(),
@@ -217,7 +218,8 @@ def token_logprobs(logits: Tensor, rows: list[int], tokens: Tensor, params: list
         penalties = torch.tensor([p.repetition_penalty for p in ps], device=x.device)
         x = apply_repetition_penalty(x, [seen_token_ids[i] for i in rows], penalties)
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=x.device)
-    lp = torch.log_softmax(x / temps[:, None], dim=-1)
+    # a token a grammar masks is -inf, which JSON cannot carry: floored as vLLM does
+    lp = torch.log_softmax(x / temps[:, None], dim=-1).clamp_(min=LOGPROB_FLOOR)
     chosen = lp.gather(1, tokens.index_select(0, index).to(torch.int64)[:, None])[:, 0].tolist()
     k = max(p.logprobs or 0 for p in ps)
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())

@@ -3,8 +3,9 @@ object, a regex, a choice of strings or an EBNF grammar — is compiled once per
 cached; each constrained sequence has a matcher that masks its row of the logits before sampling and
 advances with the token it got. Rows without one pay nothing.
 
-Compiling is thread-safe and cached, so callers (the server's request handlers, EngineThread.submit_turn)
-compile off the engine thread and the engine's add_request finds the result in the cache. A sequence's
+Compiling is thread-safe and cached (specs compile side by side), so the server compiles in a worker
+thread before it submits and the engine's add_request finds the result cached; where nobody did (the
+Python API, the app's JSON mode) add_request compiles it, once per spec. A sequence's
 matcher is made on its first masked step and replays its output tokens, so n > 1 samples, forks and
 preempted sequences need no hook of their own.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,10 +55,15 @@ def spec_key(spec: StructuredOutput) -> tuple[str, ...]:
     return "grammar", spec.grammar
 
 
+PATTERN_BOUND = 128
+MAX_CACHED = 256  # compiled grammars kept (least recently used out first)
+
+
 def _bounded_strings_as_patterns(schema_text: str) -> str:
     """xgrammar 0.2.8 lets a string with minLength/maxLength hold raw control characters (invalid JSON:
     `"\x04"`), while its pattern strings exclude them: such a string becomes the same bounds as a
-    pattern of characters that need no escape."""
+    pattern of characters that need no escape. Up to PATTERN_BOUND only: past 128 repeats its regex
+    compiler fails (and slows long before), so longer bounds keep xgrammar's own rule."""
     try:
         schema = json.loads(schema_text)
     except json.JSONDecodeError:
@@ -68,8 +75,10 @@ def _bounded_strings_as_patterns(schema_text: str) -> str:
                 visit(item)
         elif isinstance(node, dict):
             types = node.get("type")
+            bounds = [b for b in (node.get("minLength"), node.get("maxLength")) if b is not None]
             if ("string" in (types if isinstance(types, list) else [types]) and "pattern" not in node
-                    and "format" not in node and ("minLength" in node or "maxLength" in node)):
+                    and "format" not in node and bounds and all(isinstance(b, int) and b <= PATTERN_BOUND
+                                                                 for b in bounds)):
                 low, high = node.pop("minLength", 0), node.pop("maxLength", "")
                 node["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
             for value in node.values():
@@ -84,36 +93,60 @@ class StructuredOutputs:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the compiles in flight (never held while compiling)
+        self._compiler_lock = threading.Lock()
         self._compiler: Any = None
-        self._cache: dict[tuple[str, ...], Any] = {}
+        self._cache: OrderedDict[tuple[str, ...], Any] = OrderedDict()
+        self._compiling: dict[tuple[str, ...], threading.Event] = {}
 
     def compile(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar of `spec` (cached); GrammarError naming the problem if it does not compile."""
+        """The compiled grammar of `spec` (cached); GrammarError naming the problem if it does not compile.
+        Specs compile side by side; a second caller of the same one waits for the first's result."""
         key = spec_key(spec)
-        with self._lock:  # one compile per spec, also when two requests bring it at once
-            if key not in self._cache:
-                self._cache[key] = self._compile(*key)
-            return self._cache[key]
+        while True:
+            with self._lock:
+                if key in self._cache:
+                    self._cache.move_to_end(key)
+                    return self._cache[key]
+                waiting = self._compiling.get(key)
+                if waiting is None:
+                    self._compiling[key] = threading.Event()
+                    break
+            waiting.wait()  # then from the cache (or, if it failed, this caller tries and gets the error too)
+        try:
+            grammar = self._compile(*key)
+            with self._lock:
+                self._cache[key] = grammar
+                while len(self._cache) > MAX_CACHED:
+                    self._cache.popitem(last=False)
+            return grammar
+        finally:
+            with self._lock:
+                self._compiling.pop(key).set()
+
+    def _compiler_for(self, xgr: Any) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:  # ours caches: xgrammar's own cache would grow without a bound
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
 
     def _compile(self, kind: str, text: str, prefix: str = "", suffix: str = "") -> Any:
         xgr = _xgr()
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        compiler = self._compiler_for(xgr)
         try:
             if kind == "json" and (prefix or suffix):  # fixed text around the JSON: one grammar of the three
-                parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") for t in (prefix, suffix)]
                 body = xgr.Grammar.from_json_schema(_bounded_strings_as_patterns(text), any_whitespace=False)
-                return self._compiler.compile_grammar(xgr.Grammar.concat(*(
-                    g for g, t in ((parts[0], prefix), (body, "x"), (parts[1], suffix)) if t)))
+                literal = lambda t: xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t, ensure_ascii=False)}")
+                parts = [*([literal(prefix)] if prefix else []), body, *([literal(suffix)] if suffix else [])]
+                return compiler.compile_grammar(xgr.Grammar.concat(*parts))
             if kind == "json":
                 # compact JSON: no free whitespace, which a small model can run on with forever
-                return self._compiler.compile_json_schema(_bounded_strings_as_patterns(text), any_whitespace=False)
+                return compiler.compile_json_schema(_bounded_strings_as_patterns(text), any_whitespace=False)
             if kind == "regex":
-                return self._compiler.compile_regex(text)
-            return self._compiler.compile_grammar(text)
+                return compiler.compile_regex(text)
+            return compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with the parser's message
             what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[kind]
             message = _SOURCE.sub("", (str(e).strip().splitlines() or [type(e).__name__])[0])

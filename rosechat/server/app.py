@@ -145,7 +145,7 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         try:
             await asyncio.to_thread(llm.structured.compile, params.structured)
         except GrammarError as e:
-            raise APIError(400, str(e), param=body.structured()[1], code="invalid_value") from None
+            raise APIError(400, str(e), param=body.structured()[1] or "tools", code="invalid_value") from None
 
     async def start_turn(tokens: list[int], params: SamplingParams, cache_salt: str | None) -> Turn:
         if hub.in_flight >= s.max_queued:  # a bound on the queue, never an unbounded backlog
@@ -326,10 +326,13 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                                    s.tool_call_parser, template)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
-        if tool_plan:
-            messages, rendered_tools = tools.render_messages(tool_plan.parser, messages, tool_plan.tools, template)
+        rendered_tools = None
+        if tool_plan or any(m.tool_calls or m.role == "tool" for m in body.messages):  # a call in the history
+            messages, rendered_tools = tools.render_messages(tools.choose_parser(template, s.tool_call_parser),
+                                                             messages, tool_plan.tools if tool_plan else None,
+                                                             template)
         try:
-            tokens = llm.render_chat(messages, rendered_tools if tool_plan else None)
+            tokens = llm.render_chat(messages, rendered_tools)
         except Exception as e:  # the model's chat template refused them (roles out of order, ...)
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages",
                            code="invalid_value") from None

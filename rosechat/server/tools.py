@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the engine (torch) is not imported for `rosechat serve --he
 PARSERS = ("auto", "hermes", "llama3_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)  # the last may be unclosed
 HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
     "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, "
@@ -78,13 +78,14 @@ def _call_from(obj: Any, args_key: str) -> ToolCall | None:
 
 def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a finished reply; a call that does not parse stays in the content as text."""
-    if parser == "llama3_json":
-        body = text.strip().removeprefix(PYTHON_TAG).strip()
-        try:
-            call = _call_from(json.loads(body), "parameters")
-        except json.JSONDecodeError:
-            call = None
-        return (None, [call]) if call else (text, [])
+    if parser == "llama3_json":  # one object, or several separated by ";" (parallel calls)
+        calls = []
+        for part in text.strip().removeprefix(PYTHON_TAG).split(";"):
+            try:
+                calls.append(_call_from(json.loads(part), "parameters"))
+            except json.JSONDecodeError:
+                calls.append(None)
+        return (None, calls) if calls and None not in calls else (text, [])
     calls, kept, last = [], [], 0
     for m in _HERMES_BLOCK.finditer(text):
         try:
@@ -121,10 +122,14 @@ def grammar(parser: str, tools: list[dict[str, Any]], name: str | None) -> Struc
 
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     args_key = "parameters" if parser == "llama3_json" else "arguments"
+    defs: dict[str, Any] = {}
     options = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 args_key: f.get("parameters") or {"type": "object"}},
+                                                 args_key: _hoist_defs(f.get("parameters") or {"type": "object"},
+                                                                       f["name"], defs)},
                 "required": ["name", args_key], "additionalProperties": False} for f in functions]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema = {**schema, "$defs": defs}
     if parser == "llama3_json":
         return StructuredOutput(json=schema)
     return StructuredOutput(json=schema, prefix=HERMES_OPEN + "\n", suffix="\n" + HERMES_CLOSE)
@@ -142,11 +147,9 @@ def render_messages(parser: str, messages: list[dict[str, Any]], tools: list[dic
             m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _loads(c["function"]["arguments"])}}
                                for c in m["tool_calls"]]
         out.append(m)
-    if not tools or template_renders_tools(chat_template):
-        return out, tools
-    # templates without tool support: the instructions, and past calls and results as plain turns
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    system = HERMES_SYSTEM.format(tools=listing)
+    if template_renders_tools(chat_template):
+        return out, tools or None
+    # templates without tool support: past calls and results as plain turns, and the instructions
     plain = []
     for m in out:
         if m.get("tool_calls"):
@@ -156,6 +159,9 @@ def render_messages(parser: str, messages: list[dict[str, Any]], tools: list[dic
             plain.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
         else:
             plain.append({k: v for k, v in m.items() if k in ("role", "content")})
+    if not tools:
+        return plain, None
+    system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
     if plain and plain[0]["role"] == "system":
         plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{system}"}
     else:
@@ -226,9 +232,33 @@ class StreamFilter:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content not sent yet, and the calls."""
-        _, calls = self.plan.parse(self.text)
+        content, calls = self.plan.parse(self.text)
         if not calls:
             return self.text[self.sent :], []
-        visible = "" if self.plan.parser == "llama3_json" else _HERMES_BLOCK.sub("", self.text)
-        rest = visible[self.sent :]
-        return (rest if rest.strip() else ""), calls
+        # the content as parse() gives it (stripped, calls out, unparsed blocks kept), less what was sent
+        sent = self.text[: self.sent].strip()
+        content = content or ""
+        return (content[len(sent) :] if content.startswith(sent) else ""), calls
+
+
+def _hoist_defs(schema: dict[str, Any], name: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameter schema nested in the call's: its own $defs (pydantic writes them) move to the
+    root under `name__`, and its $refs follow them."""
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not own:
+        return schema
+    prefix = f"{name}__"
+
+    def refs(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: refs(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                for root in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(root):
+                        out["$ref"] = "#/$defs/" + prefix + ref[len(root):]
+            return out
+        return [refs(v) for v in node] if isinstance(node, list) else node
+
+    defs.update({prefix + k: refs(v) for k, v in own.items()})
+    return refs(schema)

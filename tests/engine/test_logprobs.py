@@ -105,3 +105,38 @@ def test_prompt_logprobs_score_every_prompt_token_chunked_cached_and_preempted(t
             top = want[i - 1].topk(3)
             assert [t for t, _ in lp.top] == top.indices.tolist()
         assert out.usage.prefilled_tokens >= len(prompt)  # none of it came from the cache (a preempted one: twice)
+
+
+def test_prompt_logprobs_of_a_new_conversation_whose_prefix_others_hold(tmp_path) -> None:
+    """A parked conversation (a finished turn, not dropped) and the prefix cache both hold the prompt's
+    start: a request for prompt logprobs takes neither and scores every token."""
+    eng = LLMEngine.from_pretrained(str(make_tiny_model(tmp_path / "m", "llama")), device="cpu", block_size=4,
+                                    num_blocks=64)
+    base = [(i * 7) % 200 + 10 for i in range(4 * 4 + 5)]
+    want = eng.generate([base], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    dropped = eng.start_conversation()
+    eng.submit_turn(dropped, base[:16] + [3, 4], SamplingParams(max_tokens=1))
+    eng.generate([], SamplingParams())  # drains
+    eng.drop_conversation(dropped)  # its full blocks stay in the prefix cache
+    parked = eng.start_conversation()
+    eng.submit_turn(parked, base[:8] + [5, 6, 7], SamplingParams(max_tokens=1))
+    eng.generate([], SamplingParams())
+    rid = eng.submit_turn(eng.start_conversation(), base, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    got = done[rid].prompt_logprobs
+    assert len(got) == len(base) and got[0] is None and None not in got[1:]
+    assert [g.token_id for g in got[1:]] == base[1:]
+    assert [g.logprob for g in got[1:]] == pytest.approx([w.logprob for w in want[1:]], abs=1e-4)
+
+
+def test_logprobs_of_a_reply_held_to_a_grammar_are_finite() -> None:
+    """Tokens the grammar masks are -inf: reported at vLLM's floor, so the JSON of the reply stays valid."""
+    from engine import StructuredOutput
+
+    eng = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=32)
+    out = eng.generate(["pick"], SamplingParams(max_tokens=8, logprobs=5, structured=StructuredOutput(
+        choice=["yes", "no"])))[0].outputs[0]
+    values = [v for lp in out.logprobs for v in (lp.logprob, *(x for _, x in lp.top))]
+    assert out.text in ("yes", "no") and all(-9999.0 <= v <= 0 for v in values) and -9999.0 in values

@@ -149,3 +149,43 @@ def test_bounded_strings_hold_no_raw_control_characters(eng: LLMEngine) -> None:
     assert m.accept_string('cd"') and m.is_completed()
     m = xgr.GrammarMatcher(grammar)
     assert not m.accept_string('"abcdef')  # the bounds hold
+
+
+def test_long_string_bounds_keep_xgrammars_own_rule(eng: LLMEngine) -> None:
+    """Past 128 repeats xgrammar's regex compiler fails: such bounds are left to its string rule."""
+    import xgrammar as xgr
+
+    from engine.structured import PATTERN_BOUND, _bounded_strings_as_patterns
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5000},
+                                               "b": {"type": "string", "maxLength": PATTERN_BOUND}}}
+    rewritten = json.loads(_bounded_strings_as_patterns(json.dumps(schema)))["properties"]
+    assert rewritten["a"] == schema["properties"]["a"] and "pattern" in rewritten["b"]
+    m = xgr.GrammarMatcher(eng.structured.compile(StructuredOutput(json=schema)))
+    assert m.accept_string('{"a": "' + "x" * 300 + '"')
+
+
+def test_compiles_of_other_specs_run_side_by_side(eng: LLMEngine, monkeypatch) -> None:
+    """A slow compile holds no lock that a cached spec (or another spec) waits on: the engine thread's
+    add_request finds its grammar at once while a worker compiles another."""
+    cached = StructuredOutput(regex="[ab]+")
+    eng.structured.compile(cached)
+    started, release = threading.Event(), threading.Event()
+    real = eng.structured._compile
+
+    def slow(*key):
+        if key[1] == "slow":
+            started.set()
+            release.wait(30)
+        return real(*key)
+
+    monkeypatch.setattr(eng.structured, "_compile", slow)
+    worker = threading.Thread(target=eng.structured.compile, args=(StructuredOutput(regex="slow"),))
+    worker.start()
+    assert started.wait(30)
+    try:
+        assert eng.structured.compile(cached) is not None  # no wait: the slow one is still compiling
+        assert eng.structured.compile(StructuredOutput(regex="[cd]+")) is not None
+    finally:
+        release.set()
+        worker.join(30)

@@ -145,3 +145,17 @@ def test_real_model_replies_hold_to_every_schema_streamed_and_not() -> None:
     finally:
         server.stop()
     assert finished >= 36, f"only {finished} of 40 replies finished inside max_tokens"
+
+
+def test_logprobs_of_a_constrained_reply_are_valid_json(server: BackgroundServer) -> None:
+    """A masked token's logprob is floored (vLLM's -9999), never -inf: the body and the stream stay JSON."""
+    body = {"model": "demo", "messages": MESSAGES, "max_tokens": 8, "guided_choice": ["yes", "no"],
+            "logprobs": True, "top_logprobs": 5}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    tops = [t["logprob"] for e in r.json()["choices"][0]["logprobs"]["content"] for t in e["top_logprobs"]]
+    assert min(tops) == -9999.0
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=30) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert lines and all(json.loads(line[6:]) for line in lines)
+    assert not any("Infinity" in line for line in lines)

@@ -49,6 +49,39 @@ def test_llama3_json_is_a_whole_reply_call() -> None:
     content, calls = tools.parse("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}')
     assert content is None and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
     assert tools.parse("llama3_json", "Sure, {it is} sunny") == ("Sure, {it is} sunny", [])
+    _, calls = tools.parse("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}')
+    assert [c.name for c in calls] == ["a", "b"]
+    # hermes: a last block left unclosed at EOS is still a call
+    assert [c.name for c in tools.parse("hermes", '<tool_call>{"name": "add", "arguments": {}}')[1]] == ["add"]
+
+
+def test_tool_history_becomes_plain_turns_for_a_template_without_tools() -> None:
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "content": "20C", "tool_call_id": "c1"}]
+    plain, rendered = tools.render_messages("hermes", history, None, "{{ messages }}")  # tool_choice "none"
+    assert rendered is None and [m["role"] for m in plain] == ["user", "assistant", "user"]
+    assert '"arguments": {"city": "Paris"}' in plain[1]["content"] and "<tool_response>\n20C" in plain[2]["content"]
+    with_tools, _ = tools.render_messages("hermes", history, [WEATHER], None)
+    assert with_tools[0]["role"] == "system" and "get_weather" in with_tools[0]["content"]
+    # a template that renders tools gets the calls with their arguments as objects, and the tools
+    kept, rendered = tools.render_messages("hermes", history, [WEATHER], "{% for t in tools %}{% endfor %}")
+    assert rendered == [WEATHER] and kept[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_tool_schemas_with_their_own_defs_compile_for_a_required_call() -> None:
+    """pydantic writes nested models as $defs and $refs: they move to the root of the call's schema."""
+    tool = {"type": "function", "function": {"name": "book", "parameters": {
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 9}},
+                          "required": ["city"]}},
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Loc"}}, "required": ["to"]}}}
+    spec = tools.grammar("hermes", [tool, ADD], None)
+    assert spec.json["$defs"] == {"book__Loc": tool["function"]["parameters"]["$defs"]["Loc"]}
+    book = spec.json["anyOf"][0]["properties"]["arguments"]
+    assert book["properties"]["to"] == {"$ref": "#/$defs/book__Loc"} and "$defs" not in book
+    eng = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=32)
+    assert eng.structured.compile(spec) is not None
 
 
 def test_streaming_holds_back_only_what_may_be_a_call() -> None:
