@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from rosechat.saver import Saver
 
 
+JSON_INSTRUCTION = "\n\nAnswer with one JSON object whose keys name what you give."
+
+
 class ChatTab(TabPane):
     """One conversation. The app picks tabs and routes events; the tab does the rest."""
 
@@ -144,8 +147,10 @@ class ChatTab(TabPane):
                 self.backend.drop_conversation(self.engine_cid)
 
     def chat_messages(self) -> list[dict[str, str]]:
-        """The conversation as the engine takes it."""
-        return self.messages.for_engine(self.system_prompt)
+        """The conversation as the engine takes it. In JSON mode the system prompt asks for JSON too: the
+        grammar keeps a reply valid, but only words tell a model what to put in it (OpenAI's JSON mode
+        wants the same)."""
+        return self.messages.for_engine(self.system_prompt + (JSON_INSTRUCTION if self.json_mode else ""))
 
     def watch_system_prompt(self, prompt: str) -> None:
         self.log_view.system_prompt = prompt  # the log's system line follows

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engine.events import USED, CacheSnapshot
 from rosechat.widgets.kv_panel import OwnerStyle, legend_text
+from rosechat.widgets.tab import JSON_INSTRUCTION
 from tests.rosechat.test_app import make_app, ready, replied, send, spy_submit, wait_for
 
 
@@ -16,6 +17,7 @@ async def test_json_mode_holds_a_tabs_replies_to_json(tmp_path: Path) -> None:
     async with app.run_test(size=(110, 40)) as pilot:
         await ready(pilot)
         params = spy_submit(app, lambda _, params: params)
+        systems = spy_submit(app, lambda messages, _: messages[0]["content"])
         tab = app.active_tab
         tab.input.value = "/json"
         await pilot.press("enter")
@@ -25,6 +27,7 @@ async def test_json_mode_holds_a_tabs_replies_to_json(tmp_path: Path) -> None:
         await send(pilot, "Describe a cat.")
         await wait_for(pilot, lambda: replied(tab), "the JSON reply")
         assert params[-1].structured is not None and params[-1].structured.json_object
+        assert systems[-1].endswith(JSON_INSTRUCTION)  # the model is told what the grammar holds it to
         reply = tab.messages[-1].content
         assert reply.startswith("{"), reply
         if tab.last_finished.finish_reasons[0] == "stop":
@@ -34,7 +37,7 @@ async def test_json_mode_holds_a_tabs_replies_to_json(tmp_path: Path) -> None:
         assert "{}" not in str(app.tabbed.get_tab(tab).label)
         await send(pilot, "And a dog?")
         await wait_for(pilot, lambda: replied(tab) and len(params) == 2, "the free reply")
-        assert params[-1].structured is None
+        assert params[-1].structured is None and not systems[-1].endswith(JSON_INSTRUCTION)
 
 
 def test_the_kv_legend_marks_constrained_holders() -> None:
