@@ -196,14 +196,21 @@ class Sampler:
         return torch.searchsorted(cum, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
+def _logprob_entries(x: Tensor, token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Row j of x [n, vocab] as a distribution: token_ids[j]'s log-probability and the ks[j] most likely. A token
+    that cannot be chosen (a grammar masks it: -inf, which JSON cannot carry) is floored as vLLM does."""
+    lp = torch.log_softmax(x.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(ks, default=0)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return [TokenLogprob(t, c, tuple(zip(i[:kj], v[:kj])))
+            for t, c, i, v, kj in zip(token_ids, chosen, top_i.tolist(), top_v.tolist(), ks)]
+
+
 def prompt_logprobs(logits: Tensor, next_tokens: list[int], k: int) -> list[TokenLogprob]:
     """Each prompt position's logits [n, vocab] scoring the token that follows it (vLLM's prompt logprobs:
     the model's raw distribution), with the k most likely tokens there."""
-    lp = torch.log_softmax(logits.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
-    chosen = lp.gather(1, torch.tensor(next_tokens, device=lp.device)[:, None])[:, 0].tolist()
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(next_tokens, chosen, top_i.tolist(),
-                                                                         top_v.tolist())]
+    return _logprob_entries(logits, next_tokens, [k] * len(next_tokens))
 
 
 def token_logprobs(logits: Tensor, rows: list[int], tokens: Tensor, params: list[SamplingParams],
@@ -218,11 +225,4 @@ def token_logprobs(logits: Tensor, rows: list[int], tokens: Tensor, params: list
         penalties = torch.tensor([p.repetition_penalty for p in ps], device=x.device)
         x = apply_repetition_penalty(x, [seen_token_ids[i] for i in rows], penalties)
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=x.device)
-    # a token a grammar masks is -inf, which JSON cannot carry: floored as vLLM does
-    lp = torch.log_softmax(x / temps[:, None], dim=-1).clamp_(min=LOGPROB_FLOOR)
-    chosen = lp.gather(1, tokens.index_select(0, index).to(torch.int64)[:, None])[:, 0].tolist()
-    k = max(p.logprobs or 0 for p in ps)
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    return [TokenLogprob(int(tokens[r]), chosen[j], tuple(zip(top_i[j][: p.logprobs], top_v[j][: p.logprobs])))
-            for j, (r, p) in enumerate(zip(rows, ps))]
+    return _logprob_entries(x / temps[:, None], tokens.index_select(0, index).tolist(), [p.logprobs for p in ps])
