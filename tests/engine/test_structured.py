@@ -189,3 +189,11 @@ def test_compiles_of_other_specs_run_side_by_side(eng: LLMEngine, monkeypatch) -
     finally:
         release.set()
         worker.join(30)
+
+
+def test_a_stop_string_cuts_a_constrained_reply(eng: LLMEngine) -> None:
+    spec = StructuredOutput(regex=r"[a-c]{4}-[0-9]{3}")
+    out = eng.generate([PROMPT], SamplingParams(max_tokens=30, temperature=1.0, seed=5, n=3, stop=["-"],
+                                                structured=spec))[0]
+    for sample in out.outputs:
+        assert re.fullmatch(r"[a-c]{4}", sample.text) and sample.finish_reason == "stop", sample.text
