@@ -37,7 +37,8 @@ def q8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, None, torch.T
 @pytest.mark.parametrize("on", ["cuda", "interpreter"])
 def test_block_linear_matches_float64(bits: int, dtype: torch.dtype, shape: tuple[int, int, int], on: str) -> None:
     if on == "interpreter" and not INTERPRETED:
-        pytest.skip("the interpreter's tiles are for the interpreter (compiled, they overflow shared memory)")
+        pytest.skip("a GPU machine: the interpreter's tile sizes, compiled, overflow shared memory "
+                    "(the CUDA ones run here)")
     M, N, K = shape
     qs, d, m, w = (q4_weight if bits == 4 else q8_weight)(N, K)
     x = torch.randn(M, K, generator=gen).to(dtype)
