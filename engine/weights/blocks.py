@@ -41,6 +41,17 @@ class GGUFBlocks:
         return GGUFBlocks(data, self.type_name, (data.shape[0], self.shape[1]))
 
 
+def block_view(blocks: GGUFBlocks, block_bytes: int) -> Tensor:
+    """The blocks' bytes as uint8 [rows, blocks, block_bytes] without a copy (of the memory-mapped
+    file, read-only: only read from, never written)."""
+    import warnings
+
+    data = np.ascontiguousarray(blocks.data)
+    with warnings.catch_warnings():  # torch warns that the array is not writable: it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data).view(data.shape[0], -1, block_bytes)
+
+
 def f16_field(data: Tensor, start: int) -> Tensor:
     """fp16 field at byte `start` of every block of `data` [..., blocks, bytes], as float32."""
     return data[..., start : start + 2].contiguous().view(torch.float16)[..., 0].float()

@@ -13,9 +13,10 @@ import torch
 from torch import Tensor
 
 import kernels
-from engine.weights.blocks import GROUP, ggml_nibbles
+from engine.weights.blocks import GROUP, GGUFBlocks, ggml_nibbles
 
 COMPUTE_DTYPE = torch.bfloat16  # the activations torch's weight-only CPU kernels are fast with
+ROW_GROUP = 8  # rows the CPU kernels' layouts keep together (kernels/cpu/ops.py interleave_rows, pack_scales)
 
 
 class PackedWeight:
@@ -57,9 +58,37 @@ def block_rows(q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
 
 
 class BlockWeight(PackedWeight):
-    """Blocks of 32 multiplied by kernels/cpu/quant.cpp: float32 in and out, whatever the model's dtype."""
+    """Blocks of 32 multiplied by kernels/cpu/quant.cpp: float32 in and out, whatever the model's dtype.
+
+    Its packed tensors (`names`) are plain attributes, so a load can allocate them once (`allocate`) and
+    fill them by row ranges (`write_rows`, rowpack.py), and the weight cache can save and map them back
+    (`tensors`, `from_tensors`, cache.py)."""
 
     dtype = torch.float32
+    names: tuple[str, ...] = ()  # the packed tensors' attribute names
+
+    @classmethod
+    def allocate(cls, out_f: int, in_f: int) -> BlockWeight:
+        """An unfilled weight of shape [out_f, in_f]: its tensors allocated, written by `write_rows`."""
+        raise NotImplementedError
+
+    def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
+        """Pack rows r0.. of the matrix (`source`, dense or blocks) into place. r0 is a multiple of
+        ROW_GROUP, and so is the number of rows unless they end the matrix: the kernels' layout keeps
+        groups of 8 rows together, so aligned row ranges pack independently."""
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {name: getattr(self, name) for name in self.names}
+
+    @classmethod
+    def from_tensors(cls, shape: tuple[int, int], tensors: dict[str, Tensor]) -> BlockWeight:
+        """The weight over already packed tensors (views of the weight cache's mapped file: not copied)."""
+        weight = cls.__new__(cls)
+        weight.shape = (int(shape[0]), int(shape[1]))
+        for name in cls.names:
+            setattr(weight, name, tensors[name])
+        return weight
 
     def _matmul(self, x: Tensor) -> Tensor:
         raise NotImplementedError

@@ -16,8 +16,9 @@ from torch import Tensor, nn
 from engine.defaults import QUANTIZATIONS
 from engine.weights.blocks import GROUP, GGUFBlocks
 from engine.weights.gguf import GGUFModel
-from engine.weights.packed import PackedWeight
+from engine.weights.packed import ROW_GROUP, BlockWeight, PackedWeight
 from engine.weights.routes import CPU, concat_rows, kernels_available, pack, route
+from engine.weights.rowpack import DENSE, fill_rows, source_type, streamed_class
 
 MODES = QUANTIZATIONS  # what load_model accepts (engine/defaults.py resolves "auto")
 
@@ -34,7 +35,9 @@ def auto_mode(type_name: str) -> str:
 # ---------------------------------------------------------------------------------- modules
 class PackedLinear(nn.Module):
     """A Linear (or MergedLinear) whose weight is packed. Shards arrive one by one at load
-    (`load_shard`); `finish()` packs them once, after which only the packed form is kept."""
+    (`load_shard`): where its format streams (rowpack.py) each is packed into its rows of the final
+    tensors at once; otherwise they are staged and `finish()` packs them together. Only the packed
+    form is kept."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: Tensor | None, mode: str,
                  device: torch.device = CPU) -> None:  # fmt: skip
@@ -46,7 +49,11 @@ class PackedLinear(nn.Module):
         self.mode = mode
         self.bias = bias  # a Parameter moved over from the dense module (or None)
         self.weight: PackedWeight | None = None
+        # the shards' source types (rowpack.source_type), set by plan_packing for a GGUF file; dense otherwise
+        self.source_types = [DENSE] * len(self.output_sizes)
         self._shards: dict[int, Tensor | GGUFBlocks] = {}
+        self._filling: BlockWeight | None = None  # being packed shard by shard
+        self._filled: set[int] = set()
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         return sum(self.output_sizes[:shard]), self.output_sizes[shard]
@@ -56,16 +63,35 @@ class PackedLinear(nn.Module):
         rows = self.output_sizes[index] if shard is not None else self.out_features
         if tuple(source.shape) != (rows, self.in_features):
             raise ValueError(f"has shape {tuple(source.shape)}, expected {(rows, self.in_features)}")
+        cls = self._streamed_class()
+        if cls is not None and source_type(source) == self.source_types[index]:
+            if self._filling is None:
+                self._filling = cls.allocate(self.out_features, self.in_features)
+            fill_rows(self._filling, self.shard_rows(index)[0] if shard is not None else 0, source)
+            self._filled.add(index)
+            return
+        if self._filling is not None:  # a shard unlike the plan after others were packed: cannot happen
+            raise ValueError(f"is {source_type(source)}, expected {self.source_types[index]}")
         self._shards[index] = source.detach().clone() if isinstance(source, Tensor) else source
+
+    def _streamed_class(self) -> type[BlockWeight] | None:
+        """The class to pack into shard by shard: a streamed format on our CPU route, every shard starting a
+        row group."""
+        if route(self.device) != "rosechat" or any(sum(self.output_sizes[:i]) % ROW_GROUP
+                                                   for i in range(len(self.output_sizes))):
+            return None
+        return streamed_class(self.mode, self.source_types)
 
     def missing_shards(self) -> list[int]:
         if self.weight is not None:
             return []
         count = len(self.output_sizes) if len(self.output_sizes) > 1 else 1
-        return [i for i in range(count) if i not in self._shards]
+        return [i for i in range(count) if i not in self._shards and i not in self._filled]
 
     def finish(self, keep_rows: bool = False) -> None:
-        if self.weight is None:
+        if self.weight is None and self._filling is not None:
+            self.weight, self._filling, self._filled = self._filling, None, set()
+        elif self.weight is None:
             parts = [self._shards[i] for i in sorted(self._shards)]
             self.weight = pack(parts[0] if len(parts) == 1 else concat_rows(parts), self.mode, keep_rows, self.device)
             self._shards = {}
@@ -94,6 +120,9 @@ class PackedEmbedding(nn.Module):
     def load_shard(self, shard: int | None, source: Tensor | GGUFBlocks) -> None:
         if tuple(source.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"has shape {tuple(source.shape)}, expected {(self.num_embeddings, self.embedding_dim)}")
+        if route(self.device) == "rosechat":  # one shard: packed at once, by row chunks (routes.pack)
+            self.weight = pack(source, self.mode, keep_rows=True, device=self.device)
+            return
         self._source = source.detach().clone() if isinstance(source, Tensor) else source
 
     def missing_shards(self) -> list[int]:
@@ -175,6 +204,7 @@ def plan_packing(
     check_packing(net, quantization, device)
     packable = set(packable_modules(net))
     modes: dict[str, str] = {}
+    types: dict[str, dict[int, str]] = {}  # module -> shard -> source type
     raw: set[str] = set()
     for hf, type_name in gguf.tensor_types(net, config).items():
         target = net.weight_target(hf)
@@ -189,8 +219,13 @@ def plan_packing(
         if modes.get(module) not in (None, mode):  # shards of mixed classes (Q4_K_M's v): the wider
             mode = "int8"
         modes[module] = mode
+        types.setdefault(module, {})[target[1] or 0] = source_type(type_name)
         raw.add(hf)
     swap_in_packed(net, modes, dtype, device)
+    for module, shard_types in types.items():
+        packed = net.get_submodule(module)
+        if isinstance(packed, PackedLinear):
+            packed.source_types = [shard_types.get(i, DENSE) for i in range(len(packed.output_sizes))]
     return raw
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.weights.blocks import GROUP, GGUFBlocks, f16_field, ggml_nibbles
-from engine.weights.packed import COMPUTE_DTYPE, BlockWeight, PackedWeight
+from engine.weights.blocks import GROUP, GGUFBlocks, block_view, f16_field, ggml_nibbles
+from engine.weights.packed import COMPUTE_DTYPE, ROW_GROUP, BlockWeight, PackedWeight
 from kernels.cpu import ops as cpu_ops
 
 # GGUF block types that map exactly onto the 4-bit forms, by name (gguf.GGMLQuantizationType)
@@ -65,15 +65,42 @@ def q4_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor] | None:
     return data[..., 4:20].reshape(out_f, in_f // 2).contiguous(), d, f16_field(data, 2)
 
 
+def q4_parts(source: Tensor | GGUFBlocks) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of a matrix as (GGML-order nibbles, d, m): exact from Q4_0 / Q4_1 / Q4_K blocks, else
+    quantized by min/max per group of 32 (through fp32 for other block types)."""
+    parts = q4_from_blocks(source) if isinstance(source, GGUFBlocks) else None
+    if parts is None:
+        q, scale, zero = quantize_int4(source.dequantize() if isinstance(source, GGUFBlocks) else source)
+        parts = nibbles(q), scale, zero - 8 * scale
+    return parts
+
+
 class Q4Weight(BlockWeight):
     """GGUF-style 4-bit blocks: nibbles [out, in/2] in GGML order, d and m [out, in/32]: w = q * d + m.
     The nibbles are kept in the kernel's layout (cpu_ops.pack_q4: block pairs interleaved)."""
 
     mode = "int4"
+    names = ("qs", "d", "m")
 
     def __init__(self, qs: Tensor, d: Tensor, m: Tensor) -> None:
         self.shape = (qs.shape[0], qs.shape[1] * 2)
         self.qs, self.d, self.m = cpu_ops.pack_q4(qs), cpu_ops.pack_scales(d), cpu_ops.pack_scales(m)
+
+    @classmethod
+    def allocate(cls, out_f: int, in_f: int) -> Q4Weight:
+        groups, blocks = -(-out_f // ROW_GROUP), in_f // GROUP
+        return cls.from_tensors((out_f, in_f), {  # the shapes pack_q4 and pack_scales give
+            "qs": torch.empty(out_f, (blocks + blocks % 2) * 16, dtype=torch.uint8),
+            "d": torch.empty(groups, blocks, ROW_GROUP), "m": torch.empty(groups, blocks, ROW_GROUP)})
+
+    def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
+        if _write_q4_blocks(self, r0, source):
+            return
+        qs, d, m = q4_parts(source)
+        g0, groups = r0 // ROW_GROUP, -(-qs.shape[0] // ROW_GROUP)
+        self.qs[r0 : r0 + qs.shape[0]] = cpu_ops.pack_q4(qs)
+        self.d[g0 : g0 + groups] = cpu_ops.pack_scales(d)
+        self.m[g0 : g0 + groups] = cpu_ops.pack_scales(m)
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q4_linear(x, self.qs, self.d, self.m)
@@ -83,6 +110,28 @@ class Q4Weight(BlockWeight):
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+
+def _write_q4_blocks(weight: Q4Weight, r0: int, source: Tensor | GGUFBlocks) -> bool:
+    """Q4_0 / Q4_1 rows in whole groups of 8 (and blocks in pairs) straight from the file's bytes into
+    pack_q4's and pack_scales' layouts, one strided copy each (what they do in several passes);
+    False where the general path must run."""
+    if not isinstance(source, GGUFBlocks) or source.type_name not in ("Q4_0", "Q4_1"):
+        return False
+    n, blocks = source.shape[0], source.shape[1] // GROUP
+    if n % ROW_GROUP or blocks % 2:
+        return False
+    data = block_view(source, 18 if source.type_name == "Q4_0" else 20)
+    g0, groups = r0 // ROW_GROUP, n // ROW_GROUP
+    first = 2 if source.type_name == "Q4_0" else 4  # where the nibbles start in a block
+    # rows (group, row) and blocks (pair, half) -> the kernel's [group, pair, row, byte, half]
+    nib = data[..., first : first + 16].unflatten(1, (blocks // 2, 2)).unflatten(0, (groups, ROW_GROUP))
+    weight.qs[r0 : r0 + n].view(groups, blocks // 2, ROW_GROUP, 16, 2).copy_(nib.permute(0, 2, 1, 4, 3))
+    d = data[..., 0:2].view(torch.float16)[..., 0].float()  # as f16_field
+    m = -8 * d if source.type_name == "Q4_0" else data[..., 2:4].view(torch.float16)[..., 0].float()
+    for out, scales in ((weight.d, d), (weight.m, m)):  # [rows, blocks] -> [group, blocks, row]
+        out[g0 : g0 + groups].copy_(scales.view(groups, ROW_GROUP, blocks).transpose(1, 2))
+    return True
 
 
 # ------------------------------------------------------------ int4 groups of 32 for torch's kernel

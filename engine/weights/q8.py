@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.weights.blocks import GROUP, GGUFBlocks, f16_field
-from engine.weights.packed import COMPUTE_DTYPE, BlockWeight, PackedWeight
+from engine.weights.blocks import GROUP, GGUFBlocks, block_view, f16_field
+from engine.weights.packed import COMPUTE_DTYPE, ROW_GROUP, BlockWeight, PackedWeight
 from kernels.cpu import ops as cpu_ops
 
 _CHUNK_ROWS = 4096  # rows requantized at a time
@@ -31,6 +31,12 @@ def q8_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor] | None:
     out_f, in_f = blocks.shape
     data = torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // GROUP, -1)
     return data[..., 2:34].reshape(out_f, in_f).contiguous().view(torch.int8), f16_field(data, 0)
+
+
+def q8_parts(source: Tensor | GGUFBlocks) -> tuple[Tensor, Tensor]:
+    """Rows of a matrix as (int8, d): exact from Q8_0 blocks, else by absmax per block of 32."""
+    parts = q8_from_blocks(source) if isinstance(source, GGUFBlocks) else None
+    return parts or quantize_q8(source.dequantize() if isinstance(source, GGUFBlocks) else source)
 
 
 def quantize_q8(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -52,10 +58,32 @@ class Q8Weight(BlockWeight):
     (cpu_ops.pack_q8: each block's halves interleaved)."""
 
     mode = "int8"
+    names = ("qs", "d")
 
     def __init__(self, qs: Tensor, d: Tensor) -> None:
         self.shape = tuple(qs.shape)
         self.qs, self.d = cpu_ops.pack_q8(qs), cpu_ops.pack_scales(d)
+
+    @classmethod
+    def allocate(cls, out_f: int, in_f: int) -> Q8Weight:
+        return cls.from_tensors((out_f, in_f), {  # the shapes pack_q8 and pack_scales give
+            "qs": torch.empty(out_f, in_f, dtype=torch.int8),
+            "d": torch.empty(-(-out_f // ROW_GROUP), in_f // GROUP, ROW_GROUP)})
+
+    def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
+        if isinstance(source, GGUFBlocks) and source.type_name == "Q8_0" and source.shape[0] % ROW_GROUP == 0:
+            # straight from the file's bytes into pack_q8's and pack_scales' layouts, one strided copy each
+            data = block_view(source, 34)
+            n, blocks = source.shape[0], source.shape[1] // GROUP
+            groups, g0 = n // ROW_GROUP, r0 // ROW_GROUP
+            q = data[..., 2:34].view(torch.int8).unflatten(2, (2, 16)).unflatten(0, (groups, ROW_GROUP))
+            self.qs[r0 : r0 + n].view(groups, blocks, ROW_GROUP, 16, 2).copy_(q.permute(0, 2, 1, 4, 3))
+            d = data[..., 0:2].view(torch.float16)[..., 0].float()
+            self.d[g0 : g0 + groups].copy_(d.view(groups, ROW_GROUP, blocks).transpose(1, 2))
+            return
+        qs, d = q8_parts(source)
+        self.qs[r0 : r0 + qs.shape[0]] = cpu_ops.pack_q8(qs)
+        self.d[r0 // ROW_GROUP : r0 // ROW_GROUP + -(-qs.shape[0] // ROW_GROUP)] = cpu_ops.pack_scales(d)
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q8_linear(x, self.qs, self.d)

@@ -32,8 +32,9 @@ from torch import Tensor
 import kernels
 from engine.weights.blocks import GGUFBlocks
 from engine.weights.packed import GPUBlockWeight, PackedWeight
-from engine.weights.q4 import Int4Weight, Q4Weight, int4_from_blocks, nibbles, q4_from_blocks, quantize_int4
-from engine.weights.q8 import Int8Weight, Q8Weight, int8_from_blocks, q8_from_blocks, quantize_int8, quantize_q8
+from engine.weights.q4 import Int4Weight, Q4Weight, int4_from_blocks, q4_parts, quantize_int4
+from engine.weights.q8 import Int8Weight, Q8Weight, int8_from_blocks, q8_parts, quantize_int8
+from engine.weights.rowpack import pack_rows
 from kernels.cpu import ops as cpu_ops
 
 CPU = torch.device("cpu")
@@ -66,10 +67,6 @@ def route(device: torch.device = CPU) -> str:
     return "rosechat"
 
 
-def _dense(source: Tensor | GGUFBlocks) -> Tensor:
-    return source.dequantize() if isinstance(source, GGUFBlocks) else source
-
-
 def pack(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool = False, device: torch.device = CPU,
          ) -> PackedWeight:  # fmt: skip
     """One [out, in] matrix (dense, or GGUF blocks) packed as `mode` ("int4" or "int8") on `device`
@@ -80,15 +77,11 @@ def pack(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool = False, device
     where = route(device)
     if where == "torch":
         return _pack_for_torch(source, mode, keep_rows)
-    blocks = source if isinstance(source, GGUFBlocks) else None
+    if where == "rosechat":  # by row chunks, into tensors allocated once (rowpack.py)
+        return pack_rows(Q4Weight if mode == "int4" else Q8Weight, source)
     if mode == "int4":
-        parts = q4_from_blocks(blocks) if blocks else None
-        if parts is None:
-            q, scale, zero = quantize_int4(_dense(source))
-            parts = nibbles(q), scale, zero - 8 * scale
-        return Q4Weight(*parts) if where == "rosechat" else GPUBlockWeight(*parts, device)
-    qs, d = (q8_from_blocks(blocks) if blocks else None) or quantize_q8(_dense(source))
-    return Q8Weight(qs, d) if where == "rosechat" else GPUBlockWeight(qs, d, None, device)
+        return GPUBlockWeight(*q4_parts(source), device)
+    return GPUBlockWeight(*q8_parts(source), None, device)
 
 
 def _pack_for_torch(source: Tensor | GGUFBlocks, mode: str, keep_rows: bool) -> PackedWeight:
