@@ -25,10 +25,11 @@ from torch.overrides import TorchFunctionMode
 from engine import defaults, demo
 from engine.events import LoadProgress
 from engine.models import get_model_class
+from engine.weights.cache import WeightCache
 from engine.weights.checkpoint import WeightLoadError, load_weights
 from engine.weights.gguf import GGUFModel, drop_mapped_pages
 from engine.weights.packing import check_packing, packable_modules, plan_packing, release_freed_memory, swap_in_packed
-from engine.weights.routes import kernels_available
+from engine.weights.routes import kernels_available, route
 from engine.weights.source import ModelSource, generation_defaults, resolve_model
 from kernels.cpu import ops as cpu_ops
 
@@ -74,6 +75,7 @@ def load_model(
     device: torch.device | str = "auto",
     progress: Progress | Stages | None = None,
     quantization: str | None = None,
+    weight_cache: bool = True,
 ) -> LoadedModel:
     """Load `model` (a name for resolve_model, or what it returned). Raises ModelNotFoundError
     when it is nowhere, ValueError (WeightLoadError, GGUFError) when it cannot be loaded.
@@ -82,7 +84,10 @@ def load_model(
     "int8" keep every linear layer (and a tied head's embedding) packed; "auto" keeps each GGUF
     tensor's precision class (Q4 -> int4, Q8_0 -> int8, float -> dense). None: the source's own
     setting (ModelSource.quantization, "auto" unless set). "auto" dtype, device and quantization are
-    resolved by engine/defaults.py, as for every entry point."""
+    resolved by engine/defaults.py, as for every entry point.
+
+    `weight_cache`: a packed GGUF load keeps its packed tensors in an on-disk cache (cache.py) and a
+    later load of the same file maps them instead of repacking; False neither reads nor writes it."""
     say = progress if isinstance(progress, Stages) else Stages(progress)
     if not isinstance(model, ModelSource):
         say("reading the file")
@@ -97,7 +102,7 @@ def load_model(
     if source.kind == "demo":
         return _load_demo(source.name, dtype, device)
     if source.kind == "gguf":
-        return _load_gguf(source, dtype, device, say, quantization)
+        return _load_gguf(source, dtype, device, say, quantization, weight_cache)
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -125,7 +130,8 @@ def load_model(
 
 
 def _load_gguf(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, say: Stages, quantization: str = "none"
+    source: ModelSource, dtype: torch.dtype, device: torch.device, say: Stages, quantization: str = "none",
+    weight_cache: bool = True,
 ) -> LoadedModel:
     if source.gguf is None:
         say("reading the file")
@@ -134,10 +140,19 @@ def _load_gguf(
     net = build_model(config, dtype, torch.device("meta"))
     raw = plan_packing(net, config, gguf, quantization, device, dtype)
     net = net.to_empty(device=device).requires_grad_(False)
-    stage = "repacking weights" if raw else "loading weights"
-    say(stage, 0, len(gguf.reader.tensors))
-    load_weights(net, gguf.iter_tensors(net, config, lambda done, total: say(stage, done, total), raw=raw),
-                 where=source.path.name)
+    # packed for our CPU kernels: the repacked tensors are worth keeping (cache.py)
+    cacheable = weight_cache and bool(raw) and device.type == "cpu" and route(device) == "rosechat"
+    cache = WeightCache.for_file(source.path, quantization, dtype) if cacheable else None
+    if cache is not None and cache.file.is_file():
+        say("loading cached weights")
+    if cache is None or not cache.load_into(net):
+        stage = "repacking weights" if raw else "loading weights"
+        say(stage, 0, len(gguf.reader.tensors))
+        load_weights(net, gguf.iter_tensors(net, config, lambda done, total: say(stage, done, total), raw=raw),
+                     where=source.path.name)
+        if cache is not None:
+            say("saving the weight cache")
+            cache.save(net)
     if (factors := gguf.rope_factors()) is not None:  # only Llama-family files carry them
         try:
             net.model.rotary.divide_frequencies(factors)

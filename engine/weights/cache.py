@@ -1,0 +1,232 @@
+"""The weight cache: a packed load's tensors saved once, so the next load of the same file maps them
+instead of repacking (issue 28).
+
+One safetensors file per (GGUF file, quantization, dtype, CPU kernels' variant, LAYOUT_VERSION) under
+the cache root (gguf.cache_root's parent, "weights/"): every packed weight's tensors
+(packed.BlockWeight.tensors) and every dense parameter, with a metadata header that repeats the key and
+names each packed module's class and mode. The file is identified by its resolved path, size,
+mtime and a hash of its first and last MiB, so a file rewritten in place misses.
+
+A warm load maps the file (MAP_PRIVATE: pages are shared with every process mapping it, and a write
+would copy a page, never change the file) and the model's tensors are views of the mapping, so the
+weights are resident once per machine, as file pages the OS can drop and fault back. The tensors are
+written by this module's own streaming writer (no second copy of the model in memory) in safetensors'
+layout, packed tensors first and each a multiple of 32 bytes, so every packed tensor is 32-byte aligned
+for the kernels. Written to a temporary file and renamed; on reading, the header (version, key), the
+tensor set, shapes, dtypes and extent, the file size and a hash of each tensor's first and last 4 KiB
+are checked: an entry that fails is deleted and rebuilt (one log line), never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from engine.weights.gguf import cache_root
+from engine.weights.packed import BlockWeight
+
+LAYOUT_VERSION = 1  # bump when a packed format's tensors or their layout change
+_META = "rosechat.weights"
+_SAMPLE = 4096  # bytes hashed at each end of every tensor
+_ALIGN = 64  # the data section starts here (the header is padded to it)
+_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int32: "I32", torch.int64: "I64", torch.float64: "F64"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+log = logging.getLogger(__name__)
+
+
+class CacheMiss(Exception):
+    """A cache entry that cannot be used (why, in words)."""
+
+
+def _file_identity(path: Path) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:  # the header (first MiB) and the tail: a rewrite with the same size and mtime misses
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, stat.st_size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{digest.hexdigest()}"
+
+
+def _isa() -> str:
+    from kernels.cpu import isa as cpu_isa
+
+    try:
+        return cpu_isa.choose().isa
+    except ValueError:
+        return "none"
+
+
+class WeightCache:
+    """The cache entry of one packed load of `path`: `load_into` a model built for it, or `save` it."""
+
+    def __init__(self, path: Path, quantization: str, dtype: torch.dtype, root: Path) -> None:
+        parts = [_file_identity(path), quantization, str(dtype), _isa(), f"layout {LAYOUT_VERSION}"]
+        self.key = hashlib.sha256("|".join(parts).encode()).hexdigest()
+        self.file = root / f"{path.stem}-{self.key[:16]}.safetensors"
+
+    @classmethod
+    def for_file(cls, path: Path, quantization: str, dtype: torch.dtype) -> WeightCache | None:
+        """The entry for loading `path` packed; None when caching is off (ROSECHAT_CACHE_DIR="")."""
+        root = cache_root()
+        return None if root is None else cls(path, quantization, dtype, root.parent / "weights")
+
+    # ------------------------------------------------------------------ reading
+    def load_into(self, model: nn.Module) -> bool:
+        """Fill `model` (packed modules swapped in, dense parameters allocated) from the entry: True if
+        it did; False if there is none, or it failed a check (then it is deleted, with a log line)."""
+        if not self.file.is_file():
+            return False
+        try:
+            tensors, meta = self._read()
+            _fill(model, tensors, meta)
+        except (CacheMiss, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            log.warning("weight cache %s is unusable (%s): rebuilding it", self.file.name, e)
+            self.file.unlink(missing_ok=True)
+            return False
+        return True
+
+    def _read(self) -> tuple[dict[str, Tensor], dict]:
+        size = self.file.stat().st_size
+        with open(self.file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CacheMiss("no header")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(size, 64 << 20):
+                raise CacheMiss("bad header length")
+            header = json.loads(f.read(length))
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: shared pages, never written back
+        meta = json.loads(header.pop("__metadata__", {}).get(_META, "{}"))
+        if meta.get("version") != LAYOUT_VERSION or meta.get("key") != self.key:
+            raise CacheMiss("another version or key")
+        start = 8 + length
+        if start + max((v["data_offsets"][1] for v in header.values()), default=0) != size:
+            raise CacheMiss(f"{size} bytes, not what the header describes")
+        digest = hashlib.sha256()
+        tensors = {}
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            dtype = _TORCH_DTYPES[info["dtype"]]
+            count = (end - begin) // dtype.itemsize
+            if count != _numel(info["shape"]):
+                raise CacheMiss(f"{name}: {end - begin} bytes for shape {info['shape']}")
+            digest.update(mapping[start + begin : start + min(end, begin + _SAMPLE)])
+            digest.update(mapping[start + max(begin, end - _SAMPLE) : start + end])
+            tensor = (torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + begin) if count
+                      else torch.empty(0, dtype=dtype))
+            tensors[name] = tensor.view(info["shape"])
+        if digest.hexdigest() != meta.get("sample"):
+            raise CacheMiss("the data does not match its checksum")
+        return tensors, meta
+
+    # ------------------------------------------------------------------ writing
+    def save(self, model: nn.Module) -> None:
+        """Write the entry for a packed model just loaded (atomically; a failure only logs)."""
+        from engine.weights.packing import packed_modules
+
+        packed = packed_modules(model)
+        tensors: dict[str, Tensor] = {}
+        modules = {}
+        for name, module in packed.items():
+            weight = module.weight
+            if not isinstance(weight, BlockWeight):
+                return  # torch's or the GPU's forms: not cached
+            modules[name] = {"class": type(weight).__name__, "mode": weight.mode, "shape": list(weight.shape)}
+            tensors.update({f"{name}.weight.{k}": t for k, t in weight.tensors().items()})
+        params = dict(model.named_parameters())
+        tensors.update(params)  # after the packed ones: their sizes keep the packed tensors aligned
+        digest = hashlib.sha256()
+        header: dict = {}
+        offset = 0
+        for name, t in tensors.items():
+            data = _bytes(t)
+            header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + len(data)]}
+            digest.update(data[: _SAMPLE])
+            digest.update(data[max(0, len(data) - _SAMPLE):])
+            offset += len(data)
+        meta = {"version": LAYOUT_VERSION, "key": self.key, "modules": modules, "params": sorted(params),
+                "sample": digest.hexdigest()}
+        header["__metadata__"] = {_META: json.dumps(meta)}
+        text = json.dumps(header).encode()
+        text += b" " * (-(8 + len(text)) % _ALIGN)
+        tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(struct.pack("<Q", len(text)) + text)
+                for t in tensors.values():
+                    f.write(_bytes(t))
+            os.replace(tmp, self.file)  # whole or not at all, also with two rosechats loading at once
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            log.warning("could not write the weight cache %s: %s", self.file, e)
+
+
+def _bytes(t: Tensor) -> memoryview:
+    """A tensor's bytes without a copy."""
+    return memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _classes() -> dict[str, type[BlockWeight]]:
+    found, todo = {}, [BlockWeight]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found[sub.__name__] = sub
+            todo.append(sub)
+    return found
+
+
+def _fill(model: nn.Module, tensors: dict[str, Tensor], meta: dict) -> None:
+    """Put the cached tensors in place, checked against what the model expects first (nothing is changed
+    unless everything fits)."""
+    from engine.weights.packing import packed_modules
+
+    packed = packed_modules(model)
+    params = dict(model.named_parameters())
+    if set(meta["modules"]) != set(packed) or set(meta["params"]) != set(params):
+        raise CacheMiss("its modules are not the model's")
+    classes, weights = _classes(), {}
+    for name, module in packed.items():
+        info = meta["modules"][name]
+        cls = classes[info["class"]]
+        shape = (module.out_features, module.in_features) if hasattr(module, "out_features") else (
+            module.num_embeddings, module.embedding_dim)
+        if info["mode"] != module.mode or tuple(info["shape"]) != shape:
+            raise CacheMiss(f"{name} is not {module.mode} {shape}")
+        with torch.device("meta"):
+            want = cls.allocate(*shape).tensors()
+        got = {k: tensors[f"{name}.weight.{k}"] for k in want}
+        for k, t in got.items():
+            if t.shape != want[k].shape or t.dtype != want[k].dtype:
+                raise CacheMiss(f"{name}.weight.{k} is {t.dtype} {tuple(t.shape)}")
+            if t.data_ptr() % 32:
+                got[k] = t.clone()  # the kernels read 32-byte aligned blocks
+        weights[name] = cls.from_tensors(shape, got)
+    for name, param in params.items():
+        if tensors[name].shape != param.shape or tensors[name].dtype != param.dtype:
+            raise CacheMiss(f"{name} is {tensors[name].dtype} {tuple(tensors[name].shape)}")
+    for name, module in packed.items():
+        module.weight = weights[name]
+    for name, param in params.items():
+        param.data = tensors[name]  # a view of the mapping: no copy (parameters are only read)
+
+
+__all__ = ["LAYOUT_VERSION", "WeightCache"]
