@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -41,6 +42,8 @@ _DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float32: "F32", torch.floa
            torch.int32: "I32", torch.int64: "I64", torch.float64: "F64"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 log = logging.getLogger(__name__)
+_saving: list[threading.Thread] = []  # entries being written in the background
+_lock = threading.Lock()
 
 
 class CacheMiss(Exception):
@@ -130,8 +133,19 @@ class WeightCache:
         return tensors, meta
 
     # ------------------------------------------------------------------ writing
-    def save(self, model: nn.Module) -> None:
-        """Write the entry for a packed model just loaded (atomically; a failure only logs)."""
+    def save(self, model: nn.Module, background: bool = True) -> None:
+        """Write the entry for a packed model just loaded (atomically; a failure only logs). In the
+        background by default: the tensors are only read, and the load need not wait for the disk
+        (`wait_for_saves`; Python waits for the thread at exit)."""
+        if not background:
+            self._save(model)
+            return
+        thread = threading.Thread(target=self._save, args=(model,), name="rosechat-weight-cache", daemon=False)
+        with _lock:
+            _saving.append(thread)
+        thread.start()
+
+    def _save(self, model: nn.Module) -> None:
         from engine.weights.packing import packed_modules
 
         packed = packed_modules(model)
@@ -161,16 +175,24 @@ class WeightCache:
         text = json.dumps(header).encode()
         text += b" " * (-(8 + len(text)) % _ALIGN)
         tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
-        try:
+        try:  # anything that fails only costs the next load a repack
             self.file.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(struct.pack("<Q", len(text)) + text)
                 for t in tensors.values():
                     f.write(_bytes(t))
             os.replace(tmp, self.file)  # whole or not at all, also with two rosechats loading at once
-        except OSError as e:
+        except Exception as e:
             tmp.unlink(missing_ok=True)
             log.warning("could not write the weight cache %s: %s", self.file, e)
+
+
+def wait_for_saves() -> None:
+    """Wait until the entries being written in the background are on disk (tests, benchmarks)."""
+    with _lock:
+        threads, _saving[:] = list(_saving), []
+    for thread in threads:
+        thread.join()
 
 
 def _bytes(t: Tensor) -> memoryview:
@@ -229,4 +251,4 @@ def _fill(model: nn.Module, tensors: dict[str, Tensor], meta: dict) -> None:
         param.data = tensors[name]  # a view of the mapping: no copy (parameters are only read)
 
 
-__all__ = ["LAYOUT_VERSION", "WeightCache"]
+__all__ = ["LAYOUT_VERSION", "WeightCache", "wait_for_saves"]

@@ -8,6 +8,7 @@ their raw blocks (blocks.GGUFBlocks) for a packed load (packing.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -84,18 +85,38 @@ def find_in_folder(folder: Path) -> Path | None:
     return files[0] if files else None
 
 
+class _FastArrays:
+    """gguf.GGUFReader reading a plain ndarray view of its np.memmap: the reader slices the map once per
+    string of the vocabulary and merges (~100k for SmolLM2), and each memmap slice costs Python-level
+    __array_finalize__ / __getitem__ calls (half of its 9 s on a busy 2-core machine). The memmap stays
+    the view's base (drop_mapped_pages finds it there)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+
+@functools.cache
+def _reader_class() -> type:
+    import gguf  # imported when a file is opened, not with this module
+
+    return type("GGUFReader", (_FastArrays, gguf.GGUFReader), {})
+
+
 class GGUFModel:
     """One GGUF file: its metadata at once, its tensors when asked."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
         if _SPLIT_NAME.search(path.name):
             raise GGUFError(f"{path.name} is one part of a split GGUF; split files are not supported: "
                             "merge them first (llama.cpp's `llama-gguf-split --merge`)")
         try:
-            self.reader = gguf.GGUFReader(path)
+            self.reader = _reader_class()(path)
         except ValueError as e:
             # Past the header (magic, version) the reader maps each tensor's data from the file: a file cut
             # short gives arrays that come up short, and numpy refuses to shape them.
@@ -299,7 +320,7 @@ def drop_mapped_pages(array: Any, start: int = 0, length: int | None = None) -> 
     is read-only: nothing written is lost)."""
     import mmap
 
-    mapping = getattr(array, "_mmap", None)
+    mapping = getattr(array, "_mmap", None) or getattr(getattr(array, "base", None), "_mmap", None)
     if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
     first = start - start % mmap.PAGESIZE  # madvise takes whole pages: the neighbours' may go too

@@ -151,8 +151,7 @@ def _load_gguf(
         load_weights(net, gguf.iter_tensors(net, config, lambda done, total: say(stage, done, total), raw=raw),
                      where=source.path.name)
         if cache is not None:
-            say("saving the weight cache")
-            cache.save(net)
+            cache.save(net)  # in the background
     if (factors := gguf.rope_factors()) is not None:  # only Llama-family files carry them
         try:
             net.model.rotary.divide_frequencies(factors)
