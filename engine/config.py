@@ -17,6 +17,7 @@ class EngineConfig:
     model: str = "demo"
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (engine/defaults.py resolves auto)
     quantization: str = "auto"  # auto | none | int8 | int4: weights kept packed on the CPU (engine/weights/packing.py)
+    weight_cache: bool = True  # packed weights kept on disk for the next load (engine/weights/cache.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | triton
     block_size: int = 16

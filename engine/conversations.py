@@ -64,7 +64,7 @@ class LLMEngine(EngineCore):
         stages = Stages(progress)
         # quantization not given: the ModelSource's own (the app's config sets it), else "auto"
         loaded = load_model(model, dtype=config.torch_dtype, device=torch.device(config.device), progress=stages,
-                            quantization=overrides.get("quantization"))
+                            quantization=overrides.get("quantization"), weight_cache=config.weight_cache)
         return cls(loaded, config, stages)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:

@@ -29,6 +29,7 @@ FLAG_KEYS = {
     "model": "model.name",
     "dtype": "model.dtype",
     "quantization": "model.quantization",
+    "weight_cache": "model.weight_cache",
     "device": "model.device",
     "backend": "model.attention_backend",
     "threads": "model.threads",
@@ -90,6 +91,8 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
                    help="weights: auto (the default: on the CPU a GGUF's tensors stay packed as the file has "
                    "them; on CUDA dense), none (dequantized at load: exact), int8, int4 (every linear layer "
                    "packed; CPU only)")
+    m.add_argument("--weight-cache", action=argparse.BooleanOptionalAction,
+                   help="keep repacked weights in the user cache, so the next load maps them (on by default)")
     m.add_argument("--device", help='"auto" (the default: CUDA when torch sees a GPU), "cpu", "cuda", "cuda:N"')
     m.add_argument("--backend", choices=BACKENDS,
                    help="paged-attention implementation (auto: triton on CUDA, torch on the CPU)")

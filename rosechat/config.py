@@ -58,6 +58,7 @@ class ModelConfig:
     name: str
     dtype: str = dataclasses.field(metadata={"choices": DTYPES})
     quantization: str = dataclasses.field(metadata={"choices": QUANTIZATIONS})
+    weight_cache: bool
     device: str
     attention_backend: str = dataclasses.field(metadata={"choices": BACKENDS})
     cuda_graphs: bool
@@ -132,6 +133,7 @@ class Config:
         return {
             "dtype": self.model.dtype,
             "quantization": self.model.quantization,
+            "weight_cache": self.model.weight_cache,
             "device": self.model.device,
             "attention_backend": self.model.attention_backend,
             "cuda_graphs": self.model.cuda_graphs,

@@ -315,3 +315,22 @@ def test_a_packed_load_peaks_under_1_3x_the_file_and_a_warm_one_maps_it(tmp_path
     print(f"warm: +{anon >> 20} MiB anonymous, +{file_pages >> 20} MiB of file pages; {warm}")
     assert anon <= 0.05 * size + 8 * mib, warm
     assert file_pages >= 0.95 * warm["packed"], warm
+
+
+@pytest.mark.parametrize("argv", [["--no-weight-cache"], ["serve", "--no-weight-cache"]])
+def test_the_cli_turns_the_weight_cache_off(argv: list[str]) -> None:
+    from rosechat import cli
+    from rosechat.config import load_config
+
+    assert load_config(None, {}).engine_kwargs()["weight_cache"] is True
+    config = load_config(None, cli.overrides_from(cli._parse(argv)))
+    assert config.model.weight_cache is False and config.engine_kwargs()["weight_cache"] is False
+
+
+def test_the_engine_passes_weight_cache_on(model_file: Path, tmp_path: Path, monkeypatch) -> None:
+    from engine import LLMEngine
+
+    monkeypatch.setenv("ROSECHAT_CACHE_DIR", str(tmp_path / "cache"))
+    LLMEngine.from_pretrained(str(model_file), device="cpu", num_blocks=16, weight_cache=False)
+    weight_cache.wait_for_saves()
+    assert not (tmp_path / "cache" / "weights").exists()
