@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.weights.blocks import GGUFBlocks
+from engine.weights.gguf_header import HeaderError, read_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -111,16 +112,15 @@ class GGUFModel:
     """One GGUF file: its metadata at once, its tensors when asked."""
 
     def __init__(self, path: Path) -> None:
+        """Reads the header only (gguf_header.py): the tensors' data and array fields open gguf's reader."""
         self.path = path
         if _SPLIT_NAME.search(path.name):
             raise GGUFError(f"{path.name} is one part of a split GGUF; split files are not supported: "
                             "merge them first (llama.cpp's `llama-gguf-split --merge`)")
         try:
-            self.reader = _reader_class()(path)
-        except ValueError as e:
-            # Past the header (magic, version) the reader maps each tensor's data from the file: a file cut
-            # short gives arrays that come up short, and numpy refuses to shape them.
-            if not any(word in str(e).lower() for word in ("magic", "version")):
+            self.header = read_header(path)
+        except HeaderError as e:
+            if e.truncated:
                 raise GGUFError(f"{path} is truncated or damaged: its tensors' data does not fit the file "
                                 f"({path.stat().st_size:,} bytes; {e}); download or copy it again") from e
             raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
@@ -134,8 +134,15 @@ class GGUFModel:
             raise GGUFError(f"{path.name}: GGUF architecture {self.arch!r} is not supported; "
                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
 
+    @functools.cached_property
+    def reader(self) -> Any:
+        """gguf's own reader (gguf.GGUFReader), opened at first use: the tensors' data, array fields."""
+        return _reader_class()(self.path)
+
     def field(self, key: str, default: Any = None) -> Any:
-        f = self.reader.fields.get(key)
+        if key in self.header.fields:
+            return self.header.fields[key]
+        f = self.reader.fields.get(key) if key in self.header.arrays else None
         return default if f is None else f.contents()
 
     # ------------------------------------------------------------------ config, tokenizer, settings
@@ -209,6 +216,8 @@ class GGUFModel:
         (rope_freqs.weight), which transformers' GGUF config does not carry over."""
         from gguf import dequantize
 
+        if not any(t.name == "rope_freqs.weight" for t in self.header.tensors):
+            return None
         for t in self.reader.tensors:
             if t.name == "rope_freqs.weight":
                 return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).flatten()
@@ -218,7 +227,7 @@ class GGUFModel:
     def tensor_types(self, model: nn.Module, config: Any) -> dict[str, str]:
         """Hugging Face checkpoint name -> GGML type name (F32, Q4_1, Q8_0, ...) of every tensor."""
         names = self._hf_names(model, config)
-        return {names[t.name]: t.tensor_type.name for t in self.reader.tensors if t.name in names}
+        return {names[t.name]: t.type_name for t in self.header.tensors if t.name in names}
 
     def iter_tensors(
         self, model: nn.Module, config: Any, progress: Callable[[int, int], None] | None = None,

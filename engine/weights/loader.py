@@ -147,7 +147,7 @@ def _load_gguf(
         say("loading cached weights")
     if cache is None or not cache.load_into(net):
         stage = "repacking weights" if raw else "loading weights"
-        say(stage, 0, len(gguf.reader.tensors))
+        say(stage, 0, len(gguf.header.tensors))
         load_weights(net, gguf.iter_tensors(net, config, lambda done, total: say(stage, done, total), raw=raw),
                      where=source.path.name)
         if cache is not None:
@@ -164,7 +164,8 @@ def _load_gguf(
     loaded.generation_source = "GGUF metadata" if loaded.generation_defaults else ""
     # Every weight is a copy (packed or dense) and the metadata is read: the file's pages that came
     # back (staged shards, rope_freqs, the header) go too, so the model is resident once.
-    drop_mapped_pages(gguf.reader.data)
+    if "reader" in gguf.__dict__:  # opened (a cold load): a warm one never maps the file's tensors
+        drop_mapped_pages(gguf.reader.data)
     release_freed_memory()  # packing's and dequantizing's temporaries
     return loaded
 

@@ -334,3 +334,18 @@ def test_the_engine_passes_weight_cache_on(model_file: Path, tmp_path: Path, mon
     LLMEngine.from_pretrained(str(model_file), device="cpu", num_blocks=16, weight_cache=False)
     weight_cache.wait_for_saves()
     assert not (tmp_path / "cache" / "weights").exists()
+
+
+def test_the_quick_header_reader_agrees_with_gguf(model_file: Path) -> None:
+    """gguf_header.py (what opening a file reads, and all a warm load reads) against gguf.GGUFReader."""
+    import gguf
+
+    from engine.weights.gguf_header import read_header
+
+    header, reader = read_header(model_file), gguf.GGUFReader(model_file)
+    for key, f in reader.fields.items():
+        if not key.startswith("GGUF."):
+            value = f.contents()
+            assert key in header.arrays if isinstance(value, list) else header.fields[key] == pytest.approx(value)
+    assert [(t.name, t.type_name, t.shape, t.offset, t.n_bytes) for t in header.tensors] == [
+        (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes) for t in reader.tensors]
