@@ -78,6 +78,27 @@ class BlockWeight(PackedWeight):
         groups of 8 rows together, so aligned row ranges pack independently."""
         raise NotImplementedError
 
+    @staticmethod
+    def advise_huge_pages(tensor: Tensor) -> Tensor:
+        """Ask for transparent huge pages under a large tensor about to be written once: a fresh 4 KiB
+        page faults at its first write (a third of a cold repack's time), a 2 MiB one 512x less often."""
+        import mmap
+
+        if tensor.device.type != "cpu" or tensor.nbytes < 4 << 20 or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return tensor
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            huge = 2 << 20
+            start = -(-tensor.data_ptr() // huge) * huge
+            end = (tensor.data_ptr() + tensor.nbytes) // huge * huge
+            if end > start:
+                libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE)
+        except (OSError, AttributeError):
+            pass
+        return tensor
+
     def tensors(self) -> dict[str, Tensor]:
         return {name: getattr(self, name) for name in self.names}
 

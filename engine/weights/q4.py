@@ -90,7 +90,7 @@ class Q4Weight(BlockWeight):
     def allocate(cls, out_f: int, in_f: int) -> Q4Weight:
         groups, blocks = -(-out_f // ROW_GROUP), in_f // GROUP
         return cls.from_tensors((out_f, in_f), {  # the shapes pack_q4 and pack_scales give
-            "qs": torch.empty(out_f, (blocks + blocks % 2) * 16, dtype=torch.uint8),
+            "qs": cls.advise_huge_pages(torch.empty(out_f, (blocks + blocks % 2) * 16, dtype=torch.uint8)),
             "d": torch.empty(groups, blocks, ROW_GROUP), "m": torch.empty(groups, blocks, ROW_GROUP)})
 
     def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:

@@ -67,7 +67,7 @@ class Q8Weight(BlockWeight):
     @classmethod
     def allocate(cls, out_f: int, in_f: int) -> Q8Weight:
         return cls.from_tensors((out_f, in_f), {  # the shapes pack_q8 and pack_scales give
-            "qs": torch.empty(out_f, in_f, dtype=torch.int8),
+            "qs": cls.advise_huge_pages(torch.empty(out_f, in_f, dtype=torch.int8)),
             "d": torch.empty(-(-out_f // ROW_GROUP), in_f // GROUP, ROW_GROUP)})
 
     def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
