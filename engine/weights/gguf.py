@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.weights.blocks import GGUFBlocks
-from engine.weights.gguf_header import HeaderError, read_header
+from engine.weights.gguf_header import HeaderError, TensorInfo, read_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -218,10 +218,27 @@ class GGUFModel:
 
         if not any(t.name == "rope_freqs.weight" for t in self.header.tensors):
             return None
-        for t in self.reader.tensors:
+        from gguf import GGMLQuantizationType
+
+        for t in self.header.tensors:
             if t.name == "rope_freqs.weight":
-                return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).flatten()
+                data = self.tensor_bytes(t)
+                return torch.from_numpy(np.array(dequantize(data, GGMLQuantizationType[t.type_name]),
+                                                 dtype=np.float32)).flatten()
         return None
+
+    @functools.cached_property
+    def mapped(self) -> np.ndarray:
+        """The whole file, memory-mapped read-only (a plain array over an np.memmap: drop_mapped_pages
+        finds the map through its base)."""
+        return np.memmap(self.path, mode="r").view(np.ndarray)
+
+    def tensor_bytes(self, t: TensorInfo) -> np.ndarray:
+        """A tensor's bytes in the mapped file, uint8 [rows, row bytes] (rows: all but its innermost dim)."""
+        rows = 1
+        for d in t.shape[1:]:
+            rows *= d
+        return self.mapped[t.offset : t.offset + t.n_bytes].reshape(rows, -1)
 
     # ------------------------------------------------------------------ tensors
     def tensor_types(self, model: nn.Module, config: Any) -> dict[str, str]:
@@ -242,32 +259,34 @@ class GGUFModel:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
         names = self._hf_names(model, config)
-        tensors = self.reader.tensors
+        tensors = self.header.tensors
+        data = self.mapped
         # dropped from here to the tensor just taken, not only its own pages: the shards a merged
         # module stages (q and k until v comes) fault back in when it packs them
-        start = min((t.data_offset for t in tensors), default=0)
+        start = min((t.offset for t in tensors), default=0)
         for i, t in enumerate(tensors):
             hf = names.get(t.name)
+            qtype = GGMLQuantizationType[t.type_name]
             if hf is None:
                 if t.name == "rope_freqs.weight":  # applied by rope_factors(), not a parameter
                     if progress is not None:
                         progress(i + 1, len(tensors))
                     continue
                 raise GGUFError(f"{self.path.name}: tensor {t.name!r} has no place in {ARCHITECTURES[self.arch]}")
-            if hf in raw and GGML_QUANT_SIZES[t.tensor_type][0] > 1 and len(t.shape) == 2:
-                populate_mapped_pages(self.reader.data, t.data_offset, t.n_bytes)
-                blocks = t.data  # uint8 [rows, row bytes], memory-mapped
+            if hf in raw and GGML_QUANT_SIZES[qtype][0] > 1 and len(t.shape) == 2:
+                populate_mapped_pages(data, t.offset, t.n_bytes)
+                blocks = self.tensor_bytes(t)  # uint8 [rows, row bytes], memory-mapped
                 if self.arch in _PERMUTED_QK and t.name.split(".")[-2] in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
                     blocks = _unpermute_qk(blocks, heads)  # whole rows move: blocks stay intact
                 shape = (int(t.shape[1]), int(t.shape[0]))
-                yield hf, GGUFBlocks(blocks, GGMLQuantizationType(t.tensor_type).name, shape), self.path.name
-                drop_mapped_pages(self.reader.data, start, t.data_offset + t.n_bytes - start)
+                yield hf, GGUFBlocks(blocks, t.type_name, shape), self.path.name
+                drop_mapped_pages(data, start, t.offset + t.n_bytes - start)
                 if progress is not None:
                     progress(i + 1, len(tensors))
                 continue
             # numpy shape is the GGUF shape reversed: [out, in], as torch's Linear holds it
-            array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            array = np.asarray(dequantize(self.tensor_bytes(t), qtype), dtype=np.float32)
             array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
             if self.arch in _PERMUTED_QK and t.name.split(".")[-2] in ("attn_q", "attn_k"):
                 heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
@@ -276,7 +295,7 @@ class GGUFModel:
             if self.arch == "gpt2" and hf.endswith(_GPT2_CONV1D):
                 tensor = tensor.t()  # back to the Conv1D layout of a Hugging Face GPT-2 checkpoint
             yield hf, tensor, self.path.name
-            drop_mapped_pages(self.reader.data, start, t.data_offset + t.n_bytes - start)
+            drop_mapped_pages(data, start, t.offset + t.n_bytes - start)
             if progress is not None:
                 progress(i + 1, len(tensors))
 

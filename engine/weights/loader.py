@@ -164,8 +164,8 @@ def _load_gguf(
     loaded.generation_source = "GGUF metadata" if loaded.generation_defaults else ""
     # Every weight is a copy (packed or dense) and the metadata is read: the file's pages that came
     # back (staged shards, rope_freqs, the header) go too, so the model is resident once.
-    if "reader" in gguf.__dict__:  # opened (a cold load): a warm one never maps the file's tensors
-        drop_mapped_pages(gguf.reader.data)
+    if "mapped" in gguf.__dict__:  # mapped (a cold load): a warm one never reads the file's tensors
+        drop_mapped_pages(gguf.mapped)
     release_freed_memory()  # packing's and dequantizing's temporaries
     return loaded
 
