@@ -177,6 +177,7 @@ class WeightCache:
         tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
         try:  # anything that fails only costs the next load a repack
             self.file.parent.mkdir(parents=True, exist_ok=True)
+            _remove_abandoned(self.file)
             with open(tmp, "wb") as f:
                 f.write(struct.pack("<Q", len(text)) + text)
                 for t in tensors.values():
@@ -193,6 +194,14 @@ def wait_for_saves() -> None:
         threads, _saving[:] = list(_saving), []
     for thread in threads:
         thread.join()
+
+
+def _remove_abandoned(file: Path) -> None:
+    """Temporary files of this entry left by writers that died (killed mid-write)."""
+    for tmp in file.parent.glob(f"{file.name}.*.tmp"):
+        pid = tmp.name[len(file.name) + 1 : -len(".tmp")]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and Path("/proc/self").exists():
+            tmp.unlink(missing_ok=True)
 
 
 def _bytes(t: Tensor) -> memoryview:

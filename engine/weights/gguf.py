@@ -1,8 +1,10 @@
 """GGUF files (llama.cpp, Ollama, LM Studio): one file with weights, config, tokenizer and template.
 
-Read with maintained code only: the `gguf` package (llama.cpp's own reader and dequantizers) for
-the tensors and metadata, and `transformers`' GGUF integration (`gguf_file=`) for the config,
-the tokenizer and the chat template. Quantized tensors are dequantized at load, or handed over as
+Read with maintained code: the `gguf` package (llama.cpp's dequantizers, type sizes, name maps, and
+its reader for array metadata), `transformers`' GGUF integration (`gguf_file=`) for the config, the
+tokenizer and the chat template; the header (scalar metadata, tensor names, types and offsets) by
+gguf_header.py, which reads it in a fraction of gguf.GGUFReader's time, and the tensors from one
+np.memmap of the file. Quantized tensors are dequantized at load, or handed over as
 their raw blocks (blocks.GGUFBlocks) for a packed load (packing.py).
 """
 
