@@ -193,13 +193,9 @@ class _SkipMetaInit(TorchFunctionMode):
 
 
 def max_model_len(config: Any) -> int:
-    """Context length: max_position_embeddings, capped at a sliding window if the model has one
-    (the paged kernels attend to the full context, so longer contexts would be inexact)."""
-    length = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        length = min(length, int(window))
-    return length
+    """Context length: max_position_embeddings. Sliding-window layers (Gemma, Mistral, Qwen with
+    use_sliding_window) attend their window exactly in the paged kernels, so a window does not cap it."""
+    return int(config.max_position_embeddings)
 
 
 def _eos_ids(path: Path, config: Any, tokenizer: Any) -> list[int]:
