@@ -22,7 +22,8 @@ CORPUS = (
     "paris is the capital of france. you are a helpful assistant. hello there, how are you today? "
     "system user assistant: be brief and kind. one two three four five six seven eight nine ten. "
 )
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
+             "gemma2": "gemma2", "gemma3": "gemma3"}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
@@ -101,9 +102,12 @@ def write_gguf(
         writer.add_feed_forward_length(config.intermediate_size)
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+        if g_arch.startswith("gemma"):
+            _gemma_keys(writer, config)
+        else:
+            writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
         if g_arch == "llama":
             writer.add_rope_dimension_count(head_dim)
     for key, value in (sampling or {}).items():
@@ -141,6 +145,8 @@ def write_gguf(
 
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             data = permute_qk(data, heads)
+        if g_arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp stores Gemma's norms as the 1 + w they multiply by
         chosen = embed_qtype if name == "token_embd.weight" and embed_qtype else qtype
         _add(writer, name, data, chosen if data.ndim == 2 else "F32", rng)
     rope = getattr(config, "rope_parameters", None) or {}
@@ -156,6 +162,29 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return model, tok
+
+
+def _gemma_keys(writer: Any, config: Any) -> None:
+    """The keys llama.cpp's Gemma2Model / Gemma3Model converters write (neither stores
+    query_pre_attn_scalar: llama.cpp takes head_dim). The sliding-window pattern, which llama.cpp
+    fixes per architecture (2, 6), is written only where the config departs from it."""
+    import gguf
+
+    writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        every = 2
+    else:
+        full = config.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+        every = 6
+    sliding = [t == "sliding_attention" for t in config.layer_types]
+    if sliding != [(i + 1) % every != 0 for i in range(config.num_hidden_layers)]:
+        writer.add_sliding_window_pattern(sliding)
 
 
 def _add(writer: Any, name: str, data: np.ndarray, qtype: str, rng: np.random.Generator) -> None:

@@ -31,10 +31,17 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # llama.cpp's converter interleaves the rotary halves of q/k rows for these (Llama-style RoPE);
 # `transformers` un-permutes them the same way.
 _PERMUTED_QK = {"llama", "mistral"}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (what the norm multiplies by);
+# ours hold w, as Hugging Face checkpoints do (transformers' GGUF loader subtracts the 1 too).
+_NORM_PLUS_ONE = {"gemma2", "gemma3"}
+# llama.cpp's Gemma 27B models scale queries by hidden/heads, not head_dim (by their layer count)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _SPLIT_NAME = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 # general.sampling.* key -> SamplingParams field
@@ -132,7 +139,37 @@ class GGUFModel:
                 config.n_inner = int(ffn)
             if (ctx := self.field("gpt2.context_length")) is not None:
                 config.n_positions = int(ctx)
+        if self.arch in _NORM_PLUS_ONE:
+            self._gemma_config(config)
         return config
+
+    def _gemma_config(self, config: Any) -> None:
+        """What llama.cpp stores, or assumes, for Gemma and transformers' GGUF mapping does not read:
+        soft-capping, the sliding-window pattern, the query scale, Gemma 3's local RoPE base and scaling."""
+        arch = self.arch
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if (value := self.field(f"{arch}.{key}")) is not None:
+                setattr(config, key, float(value))
+        pattern = self.field(f"{arch}.attention.sliding_window_pattern")
+        if pattern is not None:  # an int n (every n-th layer global) or one flag per layer (True: sliding)
+            n = config.num_hidden_layers
+            flags = ([bool(f) for f in pattern] if isinstance(pattern, list)
+                     else [int(pattern) == 0 or (i + 1) % int(pattern) != 0 for i in range(n)])
+            config.layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
+        # llama.cpp: 1 / sqrt(head_dim), except the 27B models' 1 / sqrt(hidden / heads)
+        big = config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]
+        config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads if big
+                                        else config.head_dim)
+        if arch == "gemma3":
+            rope = dict(getattr(config, "rope_parameters", None) or {})
+            full = dict(rope.get("full_attention") or {"rope_type": "default"})
+            if (theta := self.field("gemma3.rope.freq_base")) is not None:
+                full["rope_theta"] = float(theta)
+            if self.field("gemma3.rope.scaling.type") == "linear":  # global layers only, as llama.cpp
+                full.update(rope_type="linear", factor=float(self.field("gemma3.rope.scaling.factor")))
+            local = dict(rope.get("sliding_attention") or {"rope_type": "default"})
+            local["rope_theta"] = float(self.field("gemma3.rope.freq_base_swa", 10000.0))
+            config.rope_parameters = {"full_attention": full, "sliding_attention": local}
 
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -244,6 +281,8 @@ class GGUFModel:
             tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
             if self.arch == "gpt2" and hf.endswith(_GPT2_CONV1D):
                 tensor = tensor.t()  # back to the Conv1D layout of a Hugging Face GPT-2 checkpoint
+            if self.arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
+                tensor = tensor - 1.0
             yield hf, tensor, self.path.name
             drop_mapped_pages(self.reader.data, start, t.data_offset + t.n_bytes - start)
             if progress is not None:
