@@ -9,8 +9,10 @@ kernel that attended the whole context would fail. Both a safetensors folder and
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models import Gemma3ForCausalLM, get_model_class
+from engine.models import Gemma3ForCausalLM
 from engine.weights.loader import load_model
 from kernels.cpu import ops as cpu_ops
 from tests.gguf_helpers import transformers_from_gguf, write_gguf
@@ -120,12 +122,14 @@ def test_greedy_matches_generate_past_the_window(gemma, monkeypatch: pytest.Monk
         assert out.outputs[0].token_ids == _greedy(gemma.ref, prompt, MAX_NEW)
 
 
-def test_a_bare_gemma3_text_config_is_gemma3() -> None:
-    from transformers import Gemma3TextConfig
-
-    config = Gemma3TextConfig(num_hidden_layers=1)
-    config.architectures = None
-    assert get_model_class(config) is Gemma3ForCausalLM
+def test_a_bare_gemma3_text_config_is_gemma3(tiny_model_factory, tmp_path: Path) -> None:
+    """A config naming no architecture (a bare Gemma3TextConfig saved) goes by model_type gemma3_text."""
+    folder = tmp_path / "bare"
+    shutil.copytree(tiny_model_factory("gemma3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("architectures") and config["model_type"] == "gemma3_text"
+    (folder / "config.json").write_text(json.dumps(config))
+    assert isinstance(load_model(str(folder)).model, Gemma3ForCausalLM)
 
 
 def test_mistral_sliding_window_matches_transformers(tiny_model_factory) -> None:
