@@ -154,6 +154,8 @@ def paged_decode_attention(
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
+    if window and not softcap and int(context_lens.max()) <= window:
+        window = None  # every key is in the window (a short chat): the fast paths below apply
     if window or softcap:
         return sliced_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, context_lens.tolist(), scale,
                                 window, softcap)

@@ -414,8 +414,9 @@ def test_the_pytorch_path_never_calls_our_cpp() -> None:
 
 # ---- sliding windows and soft-capped scores (Gemma 2/3, Mistral) ----
 
-# (window, softcap): a window shorter than a block, one spanning blocks, capping alone, both
-WINDOW_CASES = [(3, None), (20, None), (None, 0.5), (9, 2.0)]
+# (window, softcap): a window shorter than a block, one spanning blocks, one longer than any
+# context (decode takes the unwindowed paths), capping alone, both
+WINDOW_CASES = [(3, None), (20, None), (100, None), (None, 0.5), (9, 2.0)]
 WINDOW_IDS = [f"w{w}-cap{c}" for w, c in WINDOW_CASES]
 
 
