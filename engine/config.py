@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from engine import defaults
+from engine.spec_decode import SpeculativeConfig
 
 _CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
 _CUDA_KV_FRACTION = 0.8  # of free device memory after loading the weights
@@ -28,6 +29,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA + triton backend)
     num_threads: int = 0  # torch's CPU threads (process-wide); 0 = leave torch's default
     seed: int | None = None  # the global RNG of unseeded requests; None = fresh per process
+    # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4} (engine/spec_decode.py)
+    speculative_config: dict | str | None = None
 
     def __init__(self, **kwargs) -> None:
         known = {f.name for f in fields(self)}
@@ -56,6 +59,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}")
+        SpeculativeConfig.parse(self.speculative_config)  # a bad one fails here, naming the key
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
