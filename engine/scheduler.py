@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.spec_decode import NgramProposer, accepted
+from engine.spec_decode import NgramProposer, SpecState, accepted
 
 
 @dataclass
@@ -193,7 +193,9 @@ class Scheduler:
         group = seq.group
         if self.proposer is None or n != 1 or group.grammar is not None or group.params.logprobs is not None:
             return 0
-        k = min(self.proposer.k, budget - 1, group.params.max_tokens - seq.num_output_tokens - 1,
+        if seq.spec is None:
+            seq.spec = SpecState()
+        k = min(seq.spec.budget(self.proposer.k), budget - 1, group.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - len(seq) - 1)
         drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
         if not drafts or not self.bm.can_append(seq, 1 + len(drafts)):
@@ -213,6 +215,7 @@ class Scheduler:
         self.bm.cache_full_blocks(seq, old)
         del seq.token_ids[len(seq) - k :]
         seq.num_draft_tokens = 0
+        seq.spec.record(k, keep)
         self.spec_steps, self.spec_draft_tokens, self.spec_accepted_tokens = (
             self.spec_steps + 1, self.spec_draft_tokens + k, self.spec_accepted_tokens + keep)
         return sampled[: keep + 1]

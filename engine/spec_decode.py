@@ -18,7 +18,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
-import torch
 
 METHODS = ("ngram",)
 
@@ -88,6 +87,32 @@ class NgramProposer:
         return []
 
 
+# Adaptive: each sequence keeps a running rate of its guesses that stood. Guesses shrink with it, and below
+# MIN_RATE the sequence stops guessing for PAUSE_STEPS steps (a check's extra rows cost time on a CPU, where
+# the weights are not the only cost), then tries again: free text rarely repeats, edited text does in runs.
+MIN_RATE, PAUSE_STEPS, RATE_WEIGHT = 0.25, 16, 0.3
+
+
+@dataclass
+class SpecState:
+    """One sequence's speculation record."""
+
+    rate: float = 1.0  # running share of its guesses that stood (optimistic at first)
+    paused: int = 0  # steps left without guessing
+
+    def budget(self, k: int) -> int:
+        """Guesses to ask for now (0: paused)."""
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return max(1, round(k * self.rate))
+
+    def record(self, guessed: int, kept: int) -> None:
+        self.rate += RATE_WEIGHT * (kept / guessed - self.rate)
+        if self.rate < MIN_RATE:
+            self.rate, self.paused = 0.5, PAUSE_STEPS
+
+
 def accepted(drafts: list[int], sampled: list[int]) -> int:
     """How many guesses stand: the leading ones equal to the tokens sampled at their positions."""
     count = 0
@@ -104,9 +129,11 @@ def generator_states(seqs: list[Any]) -> dict[int, Any]:
 def rewind(generator: Any, state: Any, draws: int) -> None:
     """Leave a seeded stream as `draws` plain steps would: one draw per token that stood, not per row, so a
     seed gives the same tokens with and without speculation (the sampler draws a row's uniform this way)."""
+    import torch  # here: the config check imports this module, and a CLI's start need not load torch
+
     generator.set_state(state)
     for _ in range(draws):
         torch.empty(1, dtype=torch.float64, device=generator.device).uniform_(generator=generator)
 
 
-__all__ = ["METHODS", "NgramProposer", "SpeculativeConfig", "accepted", "generator_states", "rewind"]
+__all__ = ["METHODS", "NgramProposer", "SpecState", "SpeculativeConfig", "accepted", "generator_states", "rewind"]

@@ -22,6 +22,10 @@ def main(argv: list[str]) -> int:
         from rosechat.bench import structured
 
         return structured.main(argv[1:])
+    if argv[:1] == ["spec"]:  # speculative decoding against plain, one chat at a time, llama.cpp beside (spec.py)
+        from rosechat.bench import spec
+
+        return spec.main(argv[1:])
     return cli.main(argv)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.spec_decode import NgramProposer, SpeculativeConfig, accepted
+from engine.spec_decode import PAUSE_STEPS, NgramProposer, SpecState, SpeculativeConfig, accepted
 from tests.helpers import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -151,3 +151,17 @@ def _drain(eng: LLMEngine) -> list:
         finished += [out for out in eng.step() if out.finished]
         eng.block_manager.check_invariants()
     return finished
+
+
+def test_a_sequence_whose_guesses_fail_pauses_then_tries_again() -> None:
+    state = SpecState()
+    assert state.budget(4) == 4
+    for _ in range(3):
+        state.record(4, 4)
+    assert state.budget(4) == 4
+    state.record(4, 1)
+    assert state.budget(4) == 3  # fewer guesses as fewer stand
+    while not state.paused:
+        state.record(4, 0)
+    assert [state.budget(4) for _ in range(PAUSE_STEPS)] == [0] * PAUSE_STEPS
+    assert state.budget(4) == 2  # back, at half the guesses
