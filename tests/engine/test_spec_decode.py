@@ -165,3 +165,12 @@ def test_a_sequence_whose_guesses_fail_pauses_then_tries_again() -> None:
         state.record(4, 0)
     assert [state.budget(4) for _ in range(PAUSE_STEPS)] == [0] * PAUSE_STEPS
     assert state.budget(4) == 2  # back, at half the guesses
+
+
+def test_a_sliding_window_model_keeps_the_plain_tokens(tmp_path) -> None:
+    """Gemma 2's windowed layers attend each guess's own window (the rows' keys end at their positions)."""
+    path = str(make_tiny_model(tmp_path / "g", "gemma2", seed=1))
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 2
+    spec = _engine(path, NGRAM)
+    assert _run(spec, PROMPTS[:2], params) == _run(_engine(path, None), PROMPTS[:2], params)
+    assert spec.scheduler.spec_steps > 0
