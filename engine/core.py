@@ -367,4 +367,6 @@ class EngineCore:
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, cow_copies=bm.cow_copies,
             preemptions=sched.preemptions, tokens_per_s=self.tokens_per_s(), time=time.monotonic(),
             constrained=tuple(sorted({s.owner for g in self.groups.values() if g.grammar is not None for s in g.seqs})),
+            spec_drafts=sched.spec_steps, spec_draft_tokens=sched.spec_draft_tokens,
+            spec_accepted_tokens=sched.spec_accepted_tokens, spec_accepted_per_pos=tuple(sched.spec_accepted_per_pos),
         )  # fmt: skip

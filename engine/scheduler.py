@@ -27,6 +27,7 @@ class Scheduler:
         self.bm, self.max_num_seqs, self.max_num_batched_tokens = block_manager, max_num_seqs, max_num_batched_tokens
         self.proposer, self.max_model_len = proposer, max_model_len
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculation's counters
+        self.spec_accepted_per_pos = [0] * (proposer.k if proposer else 0)  # kept guesses at each position
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle conversations, oldest first
@@ -216,6 +217,8 @@ class Scheduler:
         del seq.token_ids[len(seq) - k :]
         seq.num_draft_tokens = 0
         seq.spec.record(k, keep)
+        for pos in range(keep):
+            self.spec_accepted_per_pos[pos] += 1
         self.spec_steps, self.spec_draft_tokens, self.spec_accepted_tokens = (
             self.spec_steps + 1, self.spec_draft_tokens + k, self.spec_accepted_tokens + keep)
         return sampled[: keep + 1]
