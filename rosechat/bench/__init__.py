@@ -26,6 +26,10 @@ def main(argv: list[str]) -> int:
         from rosechat.bench import spec
 
         return spec.main(argv[1:])
+    if argv[:1] == ["scale"]:  # rosechat and llama.cpp on a random GGUF of a real model's shape (scale.py)
+        from rosechat.bench import scale
+
+        return scale.main(argv[1:])
     return cli.main(argv)
 
 
