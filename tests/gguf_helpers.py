@@ -201,6 +201,20 @@ def _add(writer: Any, name: str, data: np.ndarray, qtype: str, rng: np.random.Ge
         writer.add_tensor(name, packed, raw_dtype=q)
 
 
+def write_typed(path: Path, qtype: str, arch: str = "llama") -> None:
+    """A header of `arch` and one token embedding of `qtype` (zero blocks: only its type is read)."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[q]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64 // block * size), np.uint8), raw_dtype=q)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def transformers_from_gguf(path: Path):
     """transformers' own load of the same file (fp32, eager attention), the reference."""
     from transformers import AutoModelForCausalLM

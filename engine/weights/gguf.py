@@ -104,6 +104,10 @@ class GGUFModel:
         try:
             self.reader = gguf.GGUFReader(path)
         except ValueError as e:
+            if "GGMLQuantizationType" in str(e):  # a type id newer than the installed gguf package
+                type_id = re.search(r"(\d+)\)? is not a valid", str(e))
+                raise GGUFError(f"{path.name}: a tensor has GGML type id {type_id[1] if type_id else '?'}, which this "
+                                f"gguf package ({_gguf_version()}) does not know; rosechat cannot load it") from e
             # Past the header (magic, version) the reader maps each tensor's data from the file: a file cut
             # short gives arrays that come up short, and numpy refuses to shape them.
             if not any(word in str(e).lower() for word in ("magic", "version")):
@@ -119,6 +123,24 @@ class GGUFModel:
         if self.arch not in ARCHITECTURES:
             raise GGUFError(f"{path.name}: GGUF architecture {self.arch!r} is not supported; "
                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        self._check_tensor_types()
+
+    def _check_tensor_types(self) -> None:
+        """Refuse, naming the tensor, a type the load cannot read (gguf's dequantizers lack it: Q8_1,
+        integer or F64 tensors), now rather than partway through the weights: one row of each type is read."""
+        from gguf import dequantize
+
+        seen: set[int] = set()
+        for t in self.reader.tensors:
+            if t.tensor_type in seen:
+                continue
+            seen.add(t.tensor_type)
+            try:
+                dequantize(t.data[:1] if t.data.ndim > 1 else t.data[:0], t.tensor_type)
+            except NotImplementedError:
+                raise GGUFError(f"{self.path.name}: tensor {t.name!r} has type {t.tensor_type.name}, which rosechat "
+                                "cannot load (it reads F32, F16, BF16, Q4_0 to Q8_0, the K-quants and the IQ "
+                                "types)") from None
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.fields.get(key)
@@ -303,6 +325,15 @@ class GGUFModel:
 
 
 _GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"gguf {version('gguf')}"
+    except PackageNotFoundError:
+        return "gguf"
 
 
 def _checkpoint_names(model: nn.Module) -> Iterator[str]:

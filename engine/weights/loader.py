@@ -27,6 +27,7 @@ from engine.events import LoadProgress
 from engine.models import get_model_class
 from engine.weights.checkpoint import WeightLoadError, load_weights
 from engine.weights.gguf import GGUFModel, drop_mapped_pages
+from engine.weights.memory import check_gguf_fits
 from engine.weights.packing import check_packing, packable_modules, plan_packing, release_freed_memory, swap_in_packed
 from engine.weights.routes import kernels_available
 from engine.weights.source import ModelSource, generation_defaults, resolve_model
@@ -130,6 +131,7 @@ def _load_gguf(
     if source.gguf is None:
         say("reading the file")
     gguf = source.gguf or GGUFModel(source.path)
+    check_gguf_fits(gguf, quantization, dtype.itemsize, str(device))  # before anything large is allocated
     config, tokenizer = gguf.config_and_tokenizer(say)
     net = build_model(config, dtype, torch.device("meta"))
     raw = plan_packing(net, config, gguf, quantization, device, dtype)
