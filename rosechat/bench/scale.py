@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -75,8 +76,13 @@ def check_room(name: str, mix: str) -> int:
     return size
 
 
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_room(args.shape, args.mix)
+    load_before = _loadavg()
     t = time.perf_counter()
     path, written = cached_gguf(args.shape, args.mix)
     write_s = time.perf_counter() - t
@@ -93,7 +99,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             r = _run_child(system, str(path), args.threads, vocab, args.prompt_tokens, args.max_tokens, args.timeout)
             results.append({**r, "phase": phase})
-    return {"shape": args.shape, "mix": args.mix, "file": str(path), "file_bytes": path.stat().st_size,
+    return {"load_before": load_before, "load_after": _loadavg(),
+            "shape": args.shape, "mix": args.mix, "file": str(path), "file_bytes": path.stat().st_size,
             "written": written, "write_s": round(write_s, 1), "threads": args.threads, "n_ctx_llama_cpp": 2048,
             "results": results}
 
@@ -105,23 +112,26 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"rosechat bench scale: {report['shape']} ({report['mix']}, random weights) on {cpu_model()}, "
              f"{report['threads']} thread(s); {report['file']} ({report['file_bytes'] / MIB:.0f} MiB, {written})"]
     head = (f"{'system':<11}{'load':>6}{'load s':>8}{'peak RSS':>10}{'RSS':>8}{'RssAnon':>9}{'RssFile':>9}"
-            f"{'RSS/file':>10}{'prefill tok/s':>15}{'decode tok/s':>14}")
+            f"{'+RSS':>7}{'+RSS/file':>10}{'prefill tok/s':>15}{'decode tok/s':>14}")
     lines += [head + "   (memory in MiB)", "-" * len(head)]
     for r in report["results"]:
         if "error" in r:
             lines.append(f"{r['system']:<11}{r['phase']:>6}  {r['error']}")
             continue
-        a = r["after"]
+        a, added = r["after"], r["after"]["VmRSS"] - r["before"]["VmRSS"]
         lines.append(f"{r['system']:<11}{r['phase']:>6}{r['load_s']:>8.1f}{a['VmHWM'] / MIB:>10.0f}"
-                     f"{a['VmRSS'] / MIB:>8.0f}{a['RssAnon'] / MIB:>9.0f}{a['RssFile'] / MIB:>9.0f}"
-                     f"{a['VmRSS'] / report['file_bytes']:>10.2f}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}")
+                     f"{a['VmRSS'] / MIB:>8.0f}{a['RssAnon'] / MIB:>9.0f}{a['RssFile'] / MIB:>9.0f}{added / MIB:>7.0f}"
+                     f"{added / report['file_bytes']:>10.2f}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}")
     ok = [r for r in report["results"] if "error" not in r]
     if ok:
         lines.append(f"prefill: a {ok[0]['prompt_tokens']}-token prompt; decode: {ok[0]['new_tokens']} greedy tokens, "
                      "one stream (EOS ignored). peak RSS: VmHWM, the process's peak up to the end of the load; "
                      "RSS, RssAnon, RssFile: right after it (the process's whole footprint: runtime, imports and, "
-                     "for rosechat, its KV pool).")
+                     "for rosechat, its KV pool); +RSS: what the load added to the process after its imports. "
+                     f"Load average {report.get('load_before', '?')} before, {report.get('load_after', '?')} after.")
     lines += ["what ran:", *dict.fromkeys(f"  {r['system']}: {r['ran']}" for r in ok)]
+    lines += [f"  {r['system']} {r['phase']} load, each stage's start (s): "
+              + ", ".join(f"{stage} {t:.1f}" for stage, t in r["stages"].items()) for r in ok if r.get("stages")]
     return "\n".join(lines)
 
 

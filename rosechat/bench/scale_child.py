@@ -31,6 +31,7 @@ def child(system: str, path: str, threads: str, vocab: str, prompt_tokens: str, 
     """Load `path`, then a 4-token warm-up, one prompt's prefill and its greedy decode, one stream."""
     n_prompt, n_new = int(prompt_tokens), int(new_tokens)
     warm, prompt = prompt_ids(8, int(vocab), 1), prompt_ids(n_prompt, int(vocab))
+    stages = {}
     if system == LLAMA_CPP:
         import llama_cpp
 
@@ -53,8 +54,9 @@ def child(system: str, path: str, threads: str, vocab: str, prompt_tokens: str, 
 
         torch.set_num_threads(int(threads))
         before, start = status(), time.perf_counter()
-        engine = LLMEngine.from_pretrained(path)  # rosechat's defaults: what a user gets
-        load_s, after = time.perf_counter() - start, status()
+        stages: dict[str, float] = {}  # each stage's start (s into the load): where the time goes
+        engine = LLMEngine.from_pretrained(path, lambda p: stages.setdefault(p.stage, round(p.elapsed_s, 2)))
+        load_s, after = time.perf_counter() - start, status()  # rosechat's defaults: what a user gets
         engine.generate([warm], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
         engine.add_request(prompt, SamplingParams(max_tokens=n_new, ignore_eos=True, temperature=0.0))
         t0, first, n = time.perf_counter(), 0.0, 0
@@ -63,8 +65,9 @@ def child(system: str, path: str, threads: str, vocab: str, prompt_tokens: str, 
                 n = len(out.outputs[0].token_ids)
                 first = first or (time.perf_counter() if n else 0.0)
         info = engine.info
-        ran = f"{info.dtype}, {info.kernels}, KV pool {info.num_blocks} blocks of {info.block_size}"
+        ran = (f"{info.dtype}, {info.kernels}, KV pool {info.num_blocks} blocks of {info.block_size} "
+               f"({info.num_blocks * info.kv_block_bytes >> 20} MiB)")
     end = time.perf_counter()
     return {"system": system, "load_s": round(load_s, 2), "before": before, "after": after,
             "prefill_tok_s": round(n_prompt / (first - t0), 1), "decode_tok_s": round((n - 1) / (end - first), 1),
-            "prompt_tokens": n_prompt, "new_tokens": n, "ran": ran}
+            "prompt_tokens": n_prompt, "new_tokens": n, "ran": ran, "stages": stages}
