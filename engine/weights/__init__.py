@@ -11,6 +11,7 @@
     routes.py      which kernels multiply packed weights on a device, and pack(): one matrix for them
     packing.py     PackedLinear / PackedEmbedding, and which modules a load packs in which format
     checkpoint.py  load_weights: checkpoint tensors into a built model's parameters and packed modules
+    memory.py      whether a GGUF model and the smallest KV cache fit the available memory (before loading)
     loader.py      load_model: a name to a LoadedModel, through all of the above
 
 Callers import from the modules themselves; this package imports nothing, since engine.models imports
