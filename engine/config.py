@@ -9,7 +9,9 @@ import torch
 from engine import defaults
 from engine.spec_decode import SpeculativeConfig
 
-_CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
+_CPU_KV_BYTES = 256 << 20  # default KV budget on CPU, at least ...
+_CPU_KV_TOKENS = 4096  # ... and room for this many tokens (a 1.7B fp32 model's 256 MiB held 672),
+_CPU_KV_SHARE = 0.25  # within this share of the memory available when the engine starts
 _CUDA_KV_FRACTION = 0.8  # of free device memory after loading the weights
 
 
@@ -76,8 +78,22 @@ class EngineConfig:
                 free, _ = torch.cuda.mem_get_info(torch.device(self.device))
                 budget = int(free * _CUDA_KV_FRACTION)
             else:
-                budget = _CPU_KV_BYTES
+                budget = _cpu_kv_budget(block_bytes // self.block_size)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(f"a KV budget of {budget} bytes is less than one block ({block_bytes} bytes)")
         return num_blocks
+
+
+def _cpu_kv_budget(token_bytes: int) -> int:
+    """The CPU pool when none is asked for: 256 MiB, or 4,096 tokens of context where those take more,
+    as long as that stays within a quarter of the memory available now (then that quarter, never below
+    256 MiB: the engine's floor, which the loader's memory check counts)."""
+    from engine.weights.memory import available_memory
+
+    want = max(_CPU_KV_BYTES, _CPU_KV_TOKENS * token_bytes)
+    available = available_memory()
+    if available is not None:
+        want = min(want, max(_CPU_KV_BYTES, int(available * _CPU_KV_SHARE)))
+    return want
+
