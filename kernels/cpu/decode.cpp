@@ -21,11 +21,16 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-// x @ W.T for a packed weight given as (qs, d, m): uint8 qs is q4, int8 qs is q8 (m unused)
+// x @ W.T for a packed weight given as (qs, d, m) (BlockWeight.decode_operands): uint8 qs is q4; int8 qs
+// is q8 with m empty, q8m with m float32 (offsets), q6 with m int8 (its sub-scales)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   static const auto q4 = op<Linear4>("rosechat_quant::q4_linear");
   static const auto q8 = op<Linear3>("rosechat_quant::q8_linear");
-  return qs.scalar_type() == at::kByte ? q4.call(x, qs, d, m) : q8.call(x, qs, d);
+  static const auto q8m = op<Linear4>("rosechat_quant::q8m_linear");
+  static const auto q6 = op<Linear4>("rosechat_quant::q6_linear");
+  if (qs.scalar_type() == at::kByte) return q4.call(x, qs, d, m);
+  if (m.numel() == 0) return q8.call(x, qs, d);
+  return m.scalar_type() == at::kChar ? q6.call(x, qs, d, m) : q8m.call(x, qs, d, m);
 }
 
 using Attention = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
