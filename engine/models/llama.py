@@ -107,9 +107,7 @@ class LlamaDecoderLayer(nn.Module):
                 or any(n.weight.dtype != torch.float32 for n in norms)
                 or any(not isinstance(m.weight, BlockWeight) or m.bias is not None for m in linears)):
             return None
-        empty = torch.empty(0)
-        return [n.weight.detach() for n in norms] + [
-            t for m in linears for t in (m.weight.qs, m.weight.d, getattr(m.weight, "m", empty))]
+        return [n.weight.detach() for n in norms] + [t for m in linears for t in m.weight.decode_operands()]
 
 
 class LlamaModel(nn.Module):

@@ -211,6 +211,9 @@ def pack_scales(d: Tensor) -> Tensor:
     return groups.view(-1, 8, nb).transpose(1, 2).contiguous()
 
 
+_EMPTY = torch.empty(0)  # "no offsets" for q6
+
+
 def pack_sub_scales(sc: Tensor) -> Tensor:
     """Scales of half blocks (16 weights) int8 [N, K/16] -> q6_linear's groups of 8 rows, int8
     [ceil(N/8), K/32, 2, 8] (zeros pad the last group): a block's first halves, then its second ones."""
@@ -238,10 +241,11 @@ def q8m_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
     return torch.ops.rosechat_quant.q8m_linear(x, qs, d, m)
 
 
-def q6_linear(x: Tensor, qs: Tensor, d: Tensor, sc: Tensor) -> Tensor:
-    """x [M, K] float32 @ (qs * d * sc, per 16 weights).T -> [M, N] float32; qs as q8_linear's, d the
-    scale per 256 weights in pack_scales' layout, sc int8 per 16 in pack_sub_scales' (GGUF's Q6_K)."""
-    return torch.ops.rosechat_quant.q6_linear(x, qs, d, sc)
+def q6_linear(x: Tensor, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None = None) -> Tensor:
+    """x [M, K] float32 @ (qs * d * sc (+ m)).T -> [M, N] float32; qs as q8_linear's, d the scale per 256
+    weights in pack_scales' layout, sc int8 per 16 in pack_sub_scales', m (or None) per 32 as pack_scales
+    lays it out (GGUF's Q6_K, and Q4_K / Q5_K rows beside them)."""
+    return torch.ops.rosechat_quant.q6_linear(x, qs, d, sc, _EMPTY if m is None else m)
 
 
 def q8m_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
@@ -249,9 +253,9 @@ def q8m_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
     return torch.ops.rosechat_quant.q8m_rows(qs, d, m, ids)
 
 
-def q6_rows(qs: Tensor, d: Tensor, sc: Tensor, ids: Tensor) -> Tensor:
+def q6_rows(qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None, ids: Tensor) -> Tensor:
     """Rows ids (int64, any shape) of a q6_linear weight as float32 [*ids.shape, K]."""
-    return torch.ops.rosechat_quant.q6_rows(qs, d, sc, ids)
+    return torch.ops.rosechat_quant.q6_rows(qs, d, sc, _EMPTY if m is None else m, ids)
 
 
 def q4_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
@@ -313,7 +317,7 @@ def sample_rows(logits: Tensor, seen: Tensor, seen_offsets: Tensor, penalties: T
 def llama_decode_weights(weights: list[Tensor], eps: float, scale: float, num_heads: int,
                          num_kv_heads: int) -> torch.ScriptObject:
     """A Llama model's decode weights held in C++ for llama_decode: per layer the two norms, then
-    (qs, d, m) of qkv, o, gate_up and down (14 tensors: a BlockWeight's decode_operands()); then the
+    (qs, d, m, sc) of qkv, o, gate_up and down (18 tensors: a BlockWeight's decode_operands()); then the
     final norm."""
     return torch.classes.rosechat_decode.LlamaDecodeWeights(weights, eps, scale, num_heads, num_kv_heads)
 

@@ -3,10 +3,12 @@
 //   q8m: w = q * d + m per block of 32, q in 0..31: Q5_1, and Q5_K's 32-weight sub-blocks
 //        (d = d_super * sc, m = -dmin_super * mn, both exact in float32). The offset term is q4's:
 //        m times the block's sum of x.
-//   q6:  w = (d * sc) * q per half block (16 weights), q in -32..31, sc int8: Q6_K (d its super-block's
-//        fp16 scale, one per 256 weights). sc stays int8 and d * sc is formed at run time (exact in
-//        float32: 11 x 8 significant bits): 8.6 bits a weight where a float scale per 16 took 10.
-//        Each half's integer sum is scaled apart (kParts = 2): twice the folds and FMAs of q8.
+//   q6:  w = (d * sc) * q (+ m) per half block (16 weights), q int8, sc int8, d one per 256 weights, m
+//        (optional) one per 32: Q6_K (q in -32..31, no m), and any mix of Q4_K, Q5_K and Q6_K rows (a
+//        merged qkv whose v is Q6_K: Q4_K's and Q5_K's sub-blocks have one sc for both halves and
+//        m = -dmin * mn). sc stays int8 and d * sc is formed at run time (exact in float32: 11 x 8
+//        significant bits): 8.6 bits a weight where a float scale per 16 took 10. Each half's integer
+//        sum is scaled apart (kParts = 2): twice the folds and FMAs of q8.
 //
 // Q5_0 ((q - 16) * d) is plain q8. The AVX-512 variant differs only where quant.h's block_dot does
 // (VNNI, q8m); q6's half sums are single multiply-adds in both.
@@ -39,6 +41,11 @@ struct Q6 : Q8 {
   static constexpr int kParts = 2;
 };
 
+struct Q6M : Q6 {
+  const float* m;
+  static constexpr bool kOffset = true;
+};
+
 Q8M q8m_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   const Q8 w = q8_weight(qs, d);
   check_scales(m, w.n, w.nb, "q8m offsets");
@@ -66,13 +73,17 @@ at::Tensor q8m_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   return blocked_linear(x, w);
 }
 
-at::Tensor q6_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
+// m empty: no offsets
+at::Tensor q6_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc,
+                     const at::Tensor& m) {
   const Q6 w = q6_weight(qs, d, sc);
   check_x(x, w.nb * kBlock);
-  return blocked_linear(x, w);
+  if (m.numel() == 0) return blocked_linear(x, w);
+  check_scales(m, w.n, w.nb, "q6 offsets");
+  return blocked_linear(x, Q6M{w, m.data_ptr<float>()});
 }
 
-// Rows as gguf's dequantizer rounds them: q * d + m (a product, then a sum); q * (d * sc)
+// Rows as gguf's dequantizer rounds them: q * d + m (a product, then a sum); (d * sc) * q (+ m)
 at::Tensor q8m_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {
   const Q8M w = q8m_weight(qs, d, m);
   const int64_t nb = w.nb;
@@ -90,9 +101,12 @@ at::Tensor q8m_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor&
   });
 }
 
-at::Tensor q6_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc, const at::Tensor& ids) {
+at::Tensor q6_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc, const at::Tensor& m,
+                   const at::Tensor& ids) {
   const Q6 w = q6_weight(qs, d, sc);
   const int64_t nb = w.nb;
+  if (m.numel()) check_scales(m, w.n, nb, "q6 offsets");
+  const float* offsets = m.numel() ? m.data_ptr<float>() : nullptr;
   return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
     const uint8_t* row = w.row(r);
     const int64_t stride = w.stride(r), g = r / kLanes, lane = r % kLanes;
@@ -101,9 +115,17 @@ at::Tensor q6_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
       const float super = w.d[(g * (nb / 8) + b / 8) * kLanes + lane];
       const float lo = super * static_cast<float>(w.sc[((g * nb + b) * 2) * kLanes + lane]);
       const float hi = super * static_cast<float>(w.sc[((g * nb + b) * 2 + 1) * kLanes + lane]);
-      for (int j = 0; j < 16; ++j) {
-        out[j] = lo * static_cast<float>(block[2 * j]);
-        out[j + 16] = hi * static_cast<float>(block[2 * j + 1]);
+      if (offsets) {
+        const float mb = scale_of(offsets, nb, r, b);
+        for (int j = 0; j < 16; ++j) {
+          out[j] = lo * static_cast<float>(block[2 * j]) + mb;
+          out[j + 16] = hi * static_cast<float>(block[2 * j + 1]) + mb;
+        }
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          out[j] = lo * static_cast<float>(block[2 * j]);
+          out[j + 16] = hi * static_cast<float>(block[2 * j + 1]);
+        }
       }
     }
   });
@@ -113,7 +135,7 @@ at::Tensor q6_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(rosechat_quant, lib) {
   lib.def("q8m_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor", &q8m_linear);
-  lib.def("q6_linear(Tensor x, Tensor qs, Tensor d, Tensor sc) -> Tensor", &q6_linear);
+  lib.def("q6_linear(Tensor x, Tensor qs, Tensor d, Tensor sc, Tensor m) -> Tensor", &q6_linear);
   lib.def("q8m_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor", &q8m_rows);
-  lib.def("q6_rows(Tensor qs, Tensor d, Tensor sc, Tensor ids) -> Tensor", &q6_rows);
+  lib.def("q6_rows(Tensor qs, Tensor d, Tensor sc, Tensor m, Tensor ids) -> Tensor", &q6_rows);
 }
