@@ -25,6 +25,7 @@ CORPUS = (
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
              "gemma2": "gemma2", "gemma3": "gemma3"}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+NO_KERNEL = ("Q2_K", "Q3_K")  # K-quants without a kernel of ours (random blocks too)
 
 
 def bpe_tokenizer():
@@ -48,6 +49,11 @@ def _k_quant_blocks(rows: int, cols: int, qtype: Any, rng: np.random.Generator) 
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     if qtype.name == "Q6_K":  # ql, qh, int8 scales, then d
         data[..., 208:210] = np.frombuffer(np.float16(2e-5).tobytes(), np.uint8)
+    elif qtype.name == "Q3_K":  # hmask, qs, 6-bit scales, then d
+        data[..., 108:110] = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)
+    elif qtype.name == "Q2_K":  # 4-bit scales and mins, qs, then d and dmin
+        data[..., 80:82] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+        data[..., 82:84] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
     else:  # d, dmin, 6-bit scales and mins, (qh,) qs
         data[..., 0:2] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
         data[..., 2:4] = np.frombuffer(np.float16(5e-4).tobytes(), np.uint8)
@@ -63,12 +69,14 @@ def write_gguf(
     tie: bool = True,
     sampling: dict[str, float] | None = None,
     seed: int = 0,
+    tensor_qtypes: dict[str, str] | None = None,
     **config_overrides: Any,
 ):
     """Write a random tiny `arch` model as GGUF at `path`; return the transformers model it came from.
 
-    Matrices get `qtype` (`embed_qtype` for the token embedding); norms and biases stay F32, as in
-    llama.cpp's files. `tie=True` writes no output.weight (the real SmolLM2 file has none)."""
+    Matrices get `qtype` (`embed_qtype` for the token embedding; `tensor_qtypes` by GGUF tensor kind,
+    as {"attn_v": "Q6_K"}: a Q4_K_M-like mix); norms and biases stay F32, as in llama.cpp's files.
+    `tie=True` writes no output.weight (the real SmolLM2 file has none)."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -148,6 +156,7 @@ def write_gguf(
         if g_arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1.0  # llama.cpp stores Gemma's norms as the 1 + w they multiply by
         chosen = embed_qtype if name == "token_embd.weight" and embed_qtype else qtype
+        chosen = (tensor_qtypes or {}).get(name.split(".")[-2], chosen)
         _add(writer, name, data, chosen if data.ndim == 2 else "F32", rng)
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":  # llama.cpp stores Llama 3 scaling as per-frequency divisors
@@ -193,7 +202,7 @@ def _add(writer: Any, name: str, data: np.ndarray, qtype: str, rng: np.random.Ge
     q = gguf.GGMLQuantizationType[qtype]
     if qtype == "F32":
         writer.add_tensor(name, data)
-    elif qtype in K_QUANTS:
+    elif qtype in K_QUANTS + NO_KERNEL:
         rows, cols = data.shape
         writer.add_tensor(name, _k_quant_blocks(rows, cols, q, rng), raw_dtype=q)
     else:
