@@ -6,8 +6,9 @@
 //       so one 16-bit lane holds element j of both halves of both blocks: shifts and masks widen
 //       them, no byte shuffles (cpu_ops.pack_q4 interleaves GGML bytes so; a lone last block is
 //       paired with zeros)
-//   q8: w = q * d,      q in -127..127 (GGUF Q8_0 exactly; Q5/Q6 blocks requantized per 32). A
-//       block's byte 2j is element j, byte 2j + 1 element j + 16 (cpu_ops.pack_q8): shifts widen them
+//   q8: w = q * d,      q in -127..127 (GGUF Q8_0 and Q5_0 exactly; float weights quantized per 32).
+//       A block's byte 2j is element j, byte 2j + 1 element j + 16 (cpu_ops.pack_q8): shifts widen them.
+//       quant_k.cpp's q8m (Q5_1, Q5_K) and q6 (Q6_K) keep this layout with other scales.
 //
 // Rows go in groups of 8: a group stores each 32-byte unit (a q4 block pair, a q8 block) of its 8
 // rows together (cpu_ops.interleave_rows), and the block scales d (and q4's m) as [group, block, 8]
@@ -22,8 +23,9 @@
 // instruction each per block for all 8. Memory traffic is the packed weight itself, a sixth (q4) or
 // a third (q8) of the fp32 matrix.
 //
-// Built at first use by torch.utils.cpp_extension (kernels/cpu/ops.py). Parallel over groups of
-// output rows through pool.h, so it honours torch.set_num_threads.
+// The machinery the formats share (x's quantization, the tiles, row lookups) is in quant.h. Built at
+// first use by torch.utils.cpp_extension (kernels/cpu/ops.py). Parallel over groups of output rows
+// through pool.h, so it honours torch.set_num_threads.
 #include <torch/library.h>
 
 #include "quant.h"
