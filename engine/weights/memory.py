@@ -2,8 +2,8 @@
 a model too large for the machine is refused with one line and its figures instead of being killed by
 the OOM killer halfway through its load (or swapping the machine to a halt).
 
-The estimate: each tensor as the load keeps it (packing.py's classes: 4-bit blocks about 0.75 bytes a
-weight, 8-bit about 1.125, dense ones the activations' dtype), plus the smallest KV cache worth having:
+The estimate: each tensor as the load keeps it (formats.py: the bits a weight of each type takes in its
+packed form, dense ones the activations' dtype), plus the smallest KV cache worth having:
 the engine's default CPU pool (256 MiB), or one full-context sequence when that is smaller. Only CPU
 loads are checked: on a GPU the weights go to device memory, which the engine sizes itself.
 
@@ -19,9 +19,6 @@ from engine.weights.checkpoint import WeightLoadError
 
 MEMORY_LIMIT_ENV = "ROSECHAT_MEMORY_LIMIT"
 DEFAULT_KV_BYTES = 256 << 20  # engine/config.py's CPU pool when none is asked for
-# bytes a weight takes once packed: q4.py's nibbles with an fp32 scale and minimum per 32, q8.py's int8
-# with an fp32 scale per 32
-PACKED_BYTES_PER_WEIGHT = {"int4": 0.5 + 8 / 32, "int8": 1 + 4 / 32}
 GB = 1e9
 
 
@@ -55,7 +52,7 @@ def weight_bytes(gguf: Any, quantization: str, itemsize: int) -> int:
     """The loaded weights' bytes, from the header's tensor types (`gguf` a GGUFModel): what packing.py
     keeps packed under `quantization`, the rest dense at `itemsize` bytes a weight. A tied model's
     embedding is packed with the linears; an untied one's stays dense (it only looks rows up)."""
-    from engine.weights.packing import auto_mode
+    from engine.weights.formats import auto_mode, resident_bytes
 
     if gguf.arch == "gpt2" and quantization == "auto":  # plan_packing keeps GPT-2 dense
         quantization = "none"
@@ -65,7 +62,7 @@ def weight_bytes(gguf: Any, quantization: str, itemsize: int) -> int:
         n = int(t.n_elements)
         matrix = len(t.shape) == 2 and (t.name != "token_embd.weight" or "output.weight" not in names)
         mode = (auto_mode(t.tensor_type.name) if quantization == "auto" else quantization) if matrix else "none"
-        total += int(n * PACKED_BYTES_PER_WEIGHT[mode]) if mode in PACKED_BYTES_PER_WEIGHT else n * itemsize
+        total += n * itemsize if mode == "none" else resident_bytes(t.tensor_type.name, n, mode)
     return total
 
 
