@@ -65,44 +65,57 @@ class AttentionBackend:
                             [p.blocks for p in plan.prefixes],
                             [-1 if p.first_block is None else p.first_block for p in plan.prefixes])
 
-    def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, meta: AttentionMetadata) -> Tensor:
-        """Write this step's K/V into their slots, then attend: decodes first, then prefills."""
+    def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, meta: AttentionMetadata,
+                window: int | None = None, softcap: float | None = None) -> Tensor:
+        """Write this step's K/V into their slots, then attend: decodes first, then prefills.
+        window: a sliding-window layer's (keys > position - window only; every block stays in the
+        pool, the kernels skip what is out of the window); softcap: scores = tanh(s / cap) * cap."""
         k_cache, v_cache = self.layers[layer]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, scale, meta)
+            return self._decode(q, k_cache, v_cache, scale, meta, window, softcap)
         if nd == 0:
-            return self._prefill(q, k_cache, v_cache, scale, meta)
+            return self._prefill(q, k_cache, v_cache, scale, meta, window, softcap)
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, scale, meta)
-        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, scale, meta)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, scale, meta, window, softcap)
+        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, scale, meta, window, softcap)
         return out
 
-    def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, meta: AttentionMetadata) -> Tensor:
+    def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, meta: AttentionMetadata,
+                window: int | None, softcap: float | None) -> Tensor:
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                      scale, plan=meta.decode_plan, backend=self.kernels)
+                                      scale, plan=meta.decode_plan, backend=self.kernels, window=window,
+                                      softcap=softcap)
 
-    def _prefill(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, meta: AttentionMetadata) -> Tensor:
+    def _prefill(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, meta: AttentionMetadata,
+                 window: int | None, softcap: float | None) -> Tensor:
         return paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                                       meta.prefill_context_lens, scale, backend=self.kernels)
+                                       meta.prefill_context_lens, scale, backend=self.kernels, window=window,
+                                       softcap=softcap)
 
 
 class Attention(nn.Module):
     """No weights, no cache: this layer's index into the pool of the metadata's backend, which writes this
     step's K/V into the paged cache, then attends through the block tables."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int = 0) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int = 0,
+                 window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.layer_idx = scale, layer_idx
+        self.window = window or None  # sliding window (keys > position - window), None: full attention
+        self.softcap = softcap or None  # attention-logit soft-capping (Gemma 2), None: off
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         if meta.backend is None:
             raise RuntimeError("metadata without a backend has no k_cache/v_cache: use AttentionBackend.metadata")
-        return meta.backend.forward(self.layer_idx, q, k, v, self.scale, meta)
+        return meta.backend.forward(self.layer_idx, q, k, v, self.scale, meta, self.window, self.softcap)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, layer={self.layer_idx}"
+        extra = f", window={self.window}" if self.window else ""
+        extra += f", softcap={self.softcap}" if self.softcap else ""
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"layer={self.layer_idx}{extra}")

@@ -232,6 +232,13 @@ class BlockManager:
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         self._release_from(seq, cdiv(seq.num_computed_tokens, self.block_size))
 
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """Forget seq's computed tokens past num_computed (rejected guesses: their KV is stale and is
+        overwritten next); blocks past the room for its next token go back."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_computed)
+        del seq.block_hashes[seq.num_computed_tokens // self.block_size :]
+        self._release_from(seq, cdiv(seq.num_computed_tokens + 1, self.block_size))
+
     def _release_from(self, seq: Sequence, keep: int) -> None:
         for block_id in reversed(seq.block_table[keep:]):  # tail first: evicted before the shared head
             self._release(block_id)

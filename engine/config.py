@@ -7,8 +7,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from engine import defaults
+from engine.spec_decode import SpeculativeConfig
 
-_CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
+_CPU_KV_BYTES = 256 << 20  # default KV budget on CPU, at least ...
+_CPU_KV_TOKENS = 4096  # ... and room for this many tokens (a 1.7B fp32 model's 256 MiB held 672),
+_CPU_KV_SHARE = 0.25  # within this share of the memory available when the engine starts
 _CUDA_KV_FRACTION = 0.8  # of free device memory after loading the weights
 
 
@@ -29,6 +32,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA + triton backend)
     num_threads: int = 0  # torch's CPU threads (process-wide); 0 = leave torch's default
     seed: int | None = None  # the global RNG of unseeded requests; None = fresh per process
+    # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4} (engine/spec_decode.py)
+    speculative_config: dict | str | None = None
 
     def __init__(self, **kwargs) -> None:
         known = {f.name for f in fields(self)}
@@ -57,6 +62,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}")
+        SpeculativeConfig.parse(self.speculative_config)  # a bad one fails here, naming the key
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
@@ -73,8 +79,22 @@ class EngineConfig:
                 free, _ = torch.cuda.mem_get_info(torch.device(self.device))
                 budget = int(free * _CUDA_KV_FRACTION)
             else:
-                budget = _CPU_KV_BYTES
+                budget = _cpu_kv_budget(block_bytes // self.block_size)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(f"a KV budget of {budget} bytes is less than one block ({block_bytes} bytes)")
         return num_blocks
+
+
+def _cpu_kv_budget(token_bytes: int) -> int:
+    """The CPU pool when none is asked for: 256 MiB, or 4,096 tokens of context where those take more,
+    as long as that stays within a quarter of the memory available now (then that quarter, never below
+    256 MiB: the engine's floor, which the loader's memory check counts)."""
+    from engine.weights.memory import available_memory
+
+    want = max(_CPU_KV_BYTES, _CPU_KV_TOKENS * token_bytes)
+    available = available_memory()
+    if available is not None:
+        want = min(want, max(_CPU_KV_BYTES, int(available * _CPU_KV_SHARE)))
+    return want
+

@@ -18,9 +18,11 @@ from engine.config import EngineConfig
 from engine.events import CacheSnapshot, EngineInfo, StepStats
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
+from engine.requests import ContextLengthError, RequestError, validate
 from engine.sampler import Sampler, SamplingTensors, argmax, make_generator, prompt_logprobs, token_logprobs
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from engine.spec_decode import NgramProposer, SpeculativeConfig, generator_states, rewind
 from engine.structured import GrammarError, StructuredOutputs
 from engine.weights.loader import LoadedModel, Stages
 from kernels.cpu import ops as cpu_ops
@@ -28,22 +30,20 @@ from kernels.cpu import ops as cpu_ops
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
-    """A request the engine cannot serve (too long, too big for the pool, empty, ...)."""
-
-    code = "invalid_request"
-
-
-class ContextLengthError(RequestError):
-    """A prompt (a chat's last message, with the system prompt) longer than the context."""
-
-    code = "context_length_exceeded"
-
-
-def _penalised(seq: Sequence) -> list[int]:
-    """The tokens a repetition penalty looks at (see SamplingParams.repetition_window)."""
+def _penalised(seq: Sequence, end: int) -> list[int]:
+    """The tokens before `end` a repetition penalty looks at (see SamplingParams.repetition_window)."""
     window = seq.group.params.repetition_window
-    return seq.token_ids if window is None else seq.token_ids[max(seq.num_prompt_tokens, len(seq) - window):]
+    return seq.token_ids[max(seq.num_prompt_tokens, end - window) if window is not None else 0 : end]
+
+
+def _row_ends(seqs: list[Sequence]) -> list[int]:
+    """The tokens each sampled row follows: a sequence's length, or for the rows of a speculative sequence
+    (consecutive) its last token's and each guess's position."""
+    ends, j = [], 0
+    for i, seq in enumerate(seqs):
+        j = j + 1 if i and seqs[i - 1] is seq else 0
+        ends.append(len(seq) - seq.num_draft_tokens + j)
+    return ends
 
 
 class EngineCore:
@@ -63,7 +63,9 @@ class EngineCore:
         say(f"allocating the KV pool ({num_blocks} blocks of {config.block_size} tokens)")
         self.max_model_len = min(loaded.max_model_len, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   NgramProposer(spec) if spec else None, self.max_model_len)
         kv_shape = (layers, num_blocks, bs, kv_heads, head_dim)
         self.runner = ModelRunner(loaded.model, kv_shape, dtype, device, config.attention_backend)
         if config.cuda_graphs:
@@ -77,6 +79,7 @@ class EngineCore:
         self._ids = itertools.count()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) for tokens/s
         self._ended: list[RequestOutput] = []  # final outputs taken before a step, sent with the next
+        self._streams: dict[int, torch.Tensor] = {}  # speculative sequences' seeded streams before sampling
         # Unseeded requests draw from torch's global RNG, whose start-up seed is a constant:
         # reseed it from the OS so the same first message gets a different reply each launch.
         if config.seed is None:
@@ -105,26 +108,8 @@ class EngineCore:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        n_prompt, limit = len(token_ids), self.max_model_len
-        if n_prompt == 0:
-            raise RequestError("the prompt is empty: nothing to generate from")
-        if n_prompt >= limit:
-            raise ContextLengthError(f"the prompt is {n_prompt} tokens; the context holds {limit} (prompt + reply)")
-        if n_prompt + params.max_tokens > limit:
-            raise RequestError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
-                               f"{limit} tokens; lower max_tokens to at most {limit - n_prompt}")
-        if params.n > self.config.max_num_seqs:
-            raise RequestError(f"n={params.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
-        vocab = self.loaded.config.vocab_size
-        if max(token_ids) >= vocab or min(token_ids) < 0:
-            raise RequestError(f"token ids must be in [0, {vocab})")
-        # Worst case for the group alone: the shared full prompt blocks once, the rest per sample.
-        per_seq = cdiv(n_prompt + params.max_tokens, self.config.block_size)
-        need = per_seq + (params.n - 1) * (per_seq - n_prompt // self.config.block_size)
-        if need > self.block_manager.num_blocks:
-            raise RequestError(f"n={params.n} samples of {n_prompt}+{params.max_tokens} tokens need up to {need} KV "
-                               f"blocks; the pool has {self.block_manager.num_blocks} (lower n or max_tokens, or raise "
-                               "the KV budget)")
+        validate(token_ids, params, self.max_model_len, self.loaded.config.vocab_size, self.config.max_num_seqs,
+                 self.block_manager.num_blocks, self.config.block_size)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -188,7 +173,7 @@ class EngineCore:
         t1 = time.perf_counter()
         stats = self._stats(batch, t1 - t0) if timed else None
         try:
-            scoring = self._scoring_plan(batch)
+            scoring = self.scheduler.logit_rows(batch)
             if scoring is None:
                 logits = self.runner.run(batch, sync=timed)  # copy-on-write copies first, then the forward
             else:  # the logits of the prompt positions due for logprobs too, then of the rows that sample
@@ -204,6 +189,7 @@ class EngineCore:
                 logits = logits[rows]
             tokens = self._sample(logits, seqs) if seqs else []
         except Exception as e:  # the batch is lost, the engine is not: its requests end with the error
+            self.scheduler.drop_drafts(batch.seqs)
             for group in groups:
                 self._fail(group, f"{type(e).__name__}: {e}")
             return self._collect([])
@@ -214,26 +200,6 @@ class EngineCore:
             stats.model_s, stats.sample_s = t2 - t1 - stats.prepare_s, t3 - t2
             self.on_step(stats)
         return self._collect(groups)
-
-    def _scoring_plan(self, batch: ScheduledBatch) -> tuple[list[int], list[tuple[SequenceGroup, list[int], int]]
-                                                            ] | None:  # fmt: skip
-        """Where some prompt's logprobs are due in this batch: the token rows to take logits of (those prompt
-        positions first, then the last row of each sequence that samples) and, per scored span, its group, the
-        tokens it scores and its first row. None otherwise (the usual step)."""
-        scored, samples, spans, offset = [], [], [], 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start, group = seq.num_computed_tokens, seq.group
-            if group.params.prompt_logprobs is not None:  # positions not scored yet (not again after a preemption)
-                lo = len(group.prompt_logprobs) - 1
-                hi = min(start + n, seq.num_prompt_tokens - 1)  # the last prompt position scores the reply
-                if hi > lo:
-                    assert start <= lo, "prompt positions were computed without their logits"
-                    spans.append((group, seq.token_ids[lo + 1 : hi + 1], len(scored)))
-                    scored += range(offset + lo - start, offset + hi - start)
-            if start + n == len(seq):
-                samples.append(offset + n - 1)
-            offset += n
-        return (scored + samples, spans) if spans else None
 
     def _stats(self, batch: ScheduledBatch, schedule_s: float) -> StepStats:
         bm = self.block_manager
@@ -248,13 +214,14 @@ class EngineCore:
         self.structured.mask(logits, seqs)  # constrained rows only; in place
         params = [s.group.params for s in seqs]
         penalised = any(p.repetition_penalty != 1.0 for p in params)
-        seen = [_penalised(s) for s in seqs] if penalised else None
+        seen = [_penalised(s, e) for s, e in zip(seqs, _row_ends(seqs))] if penalised else None
         if all(p.greedy for p in params) and not penalised:
             tokens = argmax(logits)  # all greedy, the bench's case: no parameter tensors to build
         else:
             for s, p in zip(seqs, params):  # a seeded sample's own stream, from its first token on
                 if s.generator is None and not p.greedy and p.seed is not None:
                     s.generator = make_generator(p.seed, s.index, self.runner.device)
+            self._streams = generator_states(seqs)  # rewound once the guesses are checked
             st = SamplingTensors.build(params, [s.generator for s in seqs], logits.device)
             tokens = self.sampler(logits, st, seen)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -265,19 +232,34 @@ class EngineCore:
 
     def _update(self, seqs: list[Sequence], tokens: list[int]) -> None:
         self._recent.append((time.monotonic(), len(tokens)))
-        for seq, token in zip(seqs, tokens):
-            if seq.group.error is not None:
-                continue  # failed this step (e.g. a sibling sample): its tokens are dropped
-            reason = self.scheduler.append_token(seq, token, self.eos_token_ids, self.max_model_len)
-            try:
-                if self.structured.accept(seq, token) and reason is None:
-                    reason = "stop"  # its grammar is complete
-                if reason != "stop" and self.outputs.append(seq, token):
-                    reason = "stop"  # a stop string beats the length limit
-                if reason is not None:
-                    self._finish(seq, reason)
-            except Exception as e:  # one request's failure (e.g. its detokenizer) ends only that request
-                self._fail(seq.group, f"{type(e).__name__}: {e}")
+        i = 0
+        while i < len(seqs):
+            seq, rows = seqs[i], 1 + seqs[i].num_draft_tokens
+            if seq.group.error is not None:  # failed this step (e.g. a sibling sample): its tokens are dropped
+                i += rows
+                continue
+            emitted = self.scheduler.accept(seq, tokens[i : i + rows]) if rows > 1 else [tokens[i]]
+            if (state := self._streams.pop(seq.seq_id, None)) is not None:
+                rewind(seq.generator, state, len(emitted))
+            for token in emitted:
+                if not self._append(seq, token):
+                    break
+            i += rows
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append one token to seq; False once it is finished (or failed)."""
+        reason = self.scheduler.append_token(seq, token, self.eos_token_ids, self.max_model_len)
+        try:
+            if self.structured.accept(seq, token) and reason is None:
+                reason = "stop"  # its grammar is complete
+            if reason != "stop" and self.outputs.append(seq, token):
+                reason = "stop"  # a stop string beats the length limit
+            if reason is not None:
+                self._finish(seq, reason)
+        except Exception as e:  # one request's failure (e.g. its detokenizer) ends only that request
+            self._fail(seq.group, f"{type(e).__name__}: {e}")
+            return False
+        return reason is None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.finish_reason is not None:
@@ -385,4 +367,6 @@ class EngineCore:
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, cow_copies=bm.cow_copies,
             preemptions=sched.preemptions, tokens_per_s=self.tokens_per_s(), time=time.monotonic(),
             constrained=tuple(sorted({s.owner for g in self.groups.values() if g.grammar is not None for s in g.seqs})),
+            spec_drafts=sched.spec_steps, spec_draft_tokens=sched.spec_draft_tokens,
+            spec_accepted_tokens=sched.spec_accepted_tokens, spec_accepted_per_pos=tuple(sched.spec_accepted_per_pos),
         )  # fmt: skip

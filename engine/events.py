@@ -29,6 +29,11 @@ class CacheSnapshot:
     tokens_per_s: float = 0.0  # generated tokens per second, recent window
     time: float = 0.0  # time.monotonic() when taken
     constrained: tuple[str, ...] = ()  # holders whose running request is held to a grammar (structured output)
+    # speculative decoding: checks with guesses, guesses, guesses kept, and kept per guess position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def used_blocks(self) -> int:

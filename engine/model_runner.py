@@ -77,7 +77,9 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Flat inputs for the batch. Per-sequence Python only (slices, list pads); per-token
-        work (positions, slots) is vectorised."""
+        work (positions, slots) is vectorised. The first num_decodes sequences attend as decodes: each of
+        their tokens is a row of its own over the sequence's blocks (a speculative sequence's several
+        tokens each see the keys up to their own position, written by this step before any is read)."""
         seqs, counts, nd = batch.seqs, batch.num_tokens, batch.num_decodes
         if nd == len(seqs) and all(s.num_computed_tokens + 1 == len(s) for s in seqs):
             return self._prepare_decodes(seqs)
@@ -104,14 +106,18 @@ class ModelRunner:
         # Only sequences whose last token is in this batch produce logits (not mid-prompt chunks).
         samples = [i for i, s in enumerate(seqs) if starts[i] + counts[i] == len(s)]
         logits_index = cu[1:][samples] - 1
+        ndt = int(cu[nd])  # decode rows: one per token of the decoding sequences
+        decode_tables = block_tables[:nd] if ndt == nd else block_tables[seq_of_token[:ndt]]
+        decode_lens = (positions[:ndt] + 1).to(torch.int32)
         meta = self.attention.metadata(
-            slot_mapping=slots.to(dev), num_decode_tokens=nd,
-            decode_block_tables=block_tables[:nd].to(dev), decode_context_lens=context_lens[:nd].to(dev),
+            slot_mapping=slots.to(dev), num_decode_tokens=ndt,
+            decode_block_tables=decode_tables.to(dev), decode_context_lens=decode_lens.to(dev),
             prefill_block_tables=block_tables[nd:].to(dev), prefill_context_lens=context_lens[nd:].to(dev),
             prefill_cu_seqlens_q=(cu[nd:] - cu[nd]).to(torch.int32).to(dev),
         )  # fmt: skip
-        if nd and self.plans_decodes:
-            meta.decode_plan = self._plan_decode(tables[:nd], [c + 1 for c in starts[:nd]], meta)
+        if ndt and self.plans_decodes:
+            rows = [tables[i] for i in seq_of_token[:ndt].tolist()]
+            meta.decode_plan = self._plan_decode(rows, decode_lens.tolist(), meta)
         return input_ids.to(dev), positions.to(dev), meta, logits_index.to(dev)
 
     def _prepare_decodes(self, seqs: list[Sequence]) -> StepInputs:
@@ -167,7 +173,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.last_prepare_s = time.perf_counter() - t0
         graphs, n = self.graphs, len(batch.seqs)
-        if graphs is not None and batch.num_decodes == n and graphs.fits(n, meta.decode_block_tables.shape[1]):
+        one_each = batch.num_decodes == n == sum(batch.num_tokens)  # graphs hold one token per sequence
+        if graphs is not None and one_each and graphs.fits(n, meta.decode_block_tables.shape[1]):
             hidden = graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)

@@ -7,7 +7,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.spec_decode import NgramProposer, SpecState, accepted
 
 
 @dataclass
@@ -16,13 +17,17 @@ class ScheduledBatch:
 
     seqs: list[Sequence]
     num_tokens: list[int]
-    num_decodes: int
+    num_decodes: int  # leading sequences attended as decodes: one token each, or a speculative one's several
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write, before the forward
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 proposer: NgramProposer | None = None, max_model_len: int = 1 << 62) -> None:  # fmt: skip
         self.bm, self.max_num_seqs, self.max_num_batched_tokens = block_manager, max_num_seqs, max_num_batched_tokens
+        self.proposer, self.max_model_len = proposer, max_model_len
+        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculation's counters
+        self.spec_accepted_per_pos = [0] * (proposer.k if proposer else 0)  # kept guesses at each position
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle conversations, oldest first
@@ -86,6 +91,7 @@ class Scheduler:
             while not self.bm.can_append(seq, n) and self._reclaim(protect=seq):
                 pass  # reclaim until seq fits or nothing is left to reclaim
             if self.bm.can_append(seq, n):  # _reclaim never touches seq or anything before it
+                n += self._speculate(seq, n, budget)
                 self.bm.append_slots(seq, n)
                 scheduled.append((seq, n))
                 budget -= n
@@ -126,11 +132,33 @@ class Scheduler:
                 budget -= n
         finally:  # deferred sequences go back in front, even if admission failed
             self.waiting.extendleft(reversed(deferred))
-        scheduled.sort(key=lambda sn: sn[1] != 1)  # decodes (one token) first, stable otherwise
-        num_decodes = sum(1 for _, n in scheduled if n == 1)
+        scheduled.sort(key=lambda sn: not _decodes(*sn))  # decodes first, stable otherwise
+        num_decodes = sum(1 for s, n in scheduled if _decodes(s, n))
         seqs, counts = [s for s, _ in scheduled], [n for _, n in scheduled]
         copies, self.bm.pending_copies = self.bm.pending_copies, []  # queued since the last batch
         return ScheduledBatch(seqs, counts, num_decodes, copies)
+
+    def logit_rows(self, batch: ScheduledBatch) -> tuple[list[int], list[tuple[SequenceGroup, list[int], int]]
+                                                            ] | None:  # fmt: skip
+        """The token rows to take logits of, where a step needs more than each sampling sequence's last one:
+        prompt positions due for logprobs first, then the rows that sample (every row of a speculative
+        sequence), and per scored span its group, the tokens it scores and its first row. None otherwise."""
+        scored, samples, spans, offset = [], [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start, group = seq.num_computed_tokens, seq.group
+            if group.params.prompt_logprobs is not None:  # positions not scored yet (not again after a preemption)
+                lo = len(group.prompt_logprobs) - 1
+                hi = min(start + n, seq.num_prompt_tokens - 1)  # the last prompt position scores the reply
+                if hi > lo:
+                    assert start <= lo, "prompt positions were computed without their logits"
+                    spans.append((group, seq.token_ids[lo + 1 : hi + 1], len(scored)))
+                    scored += range(offset + lo - start, offset + hi - start)
+            if seq.num_draft_tokens:  # every position of a speculative sequence samples
+                samples += range(offset, offset + n)
+            elif start + n == len(seq):
+                samples.append(offset + n - 1)
+            offset += n
+        return (scored + samples, spans) if spans or any(s.num_draft_tokens for s in batch.seqs) else None
 
     def advance(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence]]:
         """Mark the batch's tokens computed; returns the sequences that sample now with their logits row. A group's
@@ -141,12 +169,18 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             old = seq.num_computed_tokens
             seq.num_computed_tokens = old + n
-            self.bm.cache_full_blocks(seq, old)
+            if not seq.num_draft_tokens:  # a speculative step's blocks: once its guesses are checked
+                self.bm.cache_full_blocks(seq, old)
             group, prompt = seq.group, max(0, min(n, seq.num_prompt_tokens - old))
             group.prefilled_tokens += prompt
             self.prefill_tokens += prompt
             if seq.num_computed_tokens != len(seq):
                 continue  # a prefill chunk short of the prompt's end: no logits
+            if seq.num_draft_tokens:  # a row per position: its last token's and each guess's
+                rows += range(row, row + n)
+                seqs += [seq] * n
+                row += n
+                continue
             forks = [seq]
             if len(group.seqs) < group.params.n and seq.index == 0 and seq.num_output_tokens == 0:
                 forks += [self._fork_sample(seq, i) for i in range(len(group.seqs), group.params.n)]
@@ -154,6 +188,47 @@ class Scheduler:
             seqs += forks
             row += 1
         return rows, seqs
+
+    def _speculate(self, seq: Sequence, n: int, budget: int) -> int:
+        """Append the proposer's guesses to a decoding sequence that has room for them; returns how many."""
+        group = seq.group
+        if self.proposer is None or n != 1 or group.grammar is not None or group.params.logprobs is not None:
+            return 0
+        if seq.spec is None:
+            seq.spec = SpecState()
+        k = min(seq.spec.budget(self.proposer.k), budget - 1, group.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - len(seq) - 1)
+        drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+        if not drafts or not self.bm.can_append(seq, 1 + len(drafts)):
+            return 0  # guesses never take memory from anything else
+        seq.token_ids += drafts
+        seq.num_draft_tokens = len(drafts)
+        return len(drafts)
+
+    def accept(self, seq: Sequence, sampled: list[int]) -> list[int]:
+        """A speculative step's outcome for seq: the tokens to append (the guesses that stand, then the
+        token sampled after them). The KV of rejected guesses is forgotten and the blocks that stood are
+        published; then the guesses leave token_ids (they come back through append_token, which checks each)."""
+        k = seq.num_draft_tokens
+        keep = accepted(seq.token_ids[len(seq) - k :], sampled)
+        old = seq.num_computed_tokens - k - 1  # before the step
+        self.bm.rollback(seq, len(seq) - k + keep)  # its last token and the guesses kept are computed
+        self.bm.cache_full_blocks(seq, old)
+        del seq.token_ids[len(seq) - k :]
+        seq.num_draft_tokens = 0
+        seq.spec.record(k, keep)
+        for pos in range(keep):
+            self.spec_accepted_per_pos[pos] += 1
+        self.spec_steps, self.spec_draft_tokens, self.spec_accepted_tokens = (
+            self.spec_steps + 1, self.spec_draft_tokens + k, self.spec_accepted_tokens + keep)
+        return sampled[: keep + 1]
+
+    def drop_drafts(self, seqs: list[Sequence]) -> None:
+        """A failed step's guesses leave the sequences (they are not output)."""
+        for seq in seqs:
+            if seq.num_draft_tokens:
+                del seq.token_ids[len(seq) - seq.num_draft_tokens :]
+                seq.num_draft_tokens = 0
 
     def _fork_sample(self, seq: Sequence, index: int) -> Sequence:
         child = Sequence(seq.token_ids, seq.group, index)
@@ -180,6 +255,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, park: bool) -> None:
         """seq is done: parked with its blocks for its conversation's next turn, or released."""
         seq.finish_reason, seq.finish_time = reason, time.monotonic()
+        if seq.num_computed_tokens >= len(seq):  # stopped on a kept guess: the tokens after it are not its
+            self.bm.rollback(seq, len(seq) - 1)
         if park:
             self.remove(seq)
             self.park(seq)
@@ -191,6 +268,11 @@ class Scheduler:
         self.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _decodes(seq: Sequence, n: int) -> bool:
+    """Attended as decodes: one new token, or a speculative sequence's last token and guesses."""
+    return n == 1 or seq.num_draft_tokens > 0
 
 
 def _seats(seq: Sequence) -> int:

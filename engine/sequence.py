@@ -134,6 +134,8 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []  # per output token, when its params ask for them
         self.logprobs_sent = 0  # of those, how many were handed out in an output
         self.matcher: Any = None  # its grammar's state, when its request has one (engine/structured.py)
+        self.num_draft_tokens = 0  # speculative guesses at the end of token_ids during a step (spec_decode.py)
+        self.spec: Any = None  # its speculation record (spec_decode.SpecState), made at its first guess
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -71,6 +71,8 @@ def paged_decode_attention(
     shared_prefixes: Sequence[SharedPrefix] = (),
     plan: DecodePlan | None = None,
     backend: str | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One new query per sequence against its paged K/V.
 
@@ -79,14 +81,16 @@ def paged_decode_attention(
     shared_prefixes: groups of sequences starting with the same blocks; the CPU path reads those
     blocks once per group (the result is the same; the Triton kernel reads them per sequence).
     plan: the PyTorch path's per-step gather plan (plan_decode), shared by every layer.
+    window: sliding-window attention, keys > position - window only (None or 0: all keys);
+    softcap: attention-logit soft-capping, scores = tanh(s / softcap) * softcap (None or 0: off).
     """
     if _use_triton(q, backend):
         from kernels.triton.decode import paged_decode_attention as impl
 
-        return impl(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return impl(q, k_cache, v_cache, block_tables, context_lens, scale, window=window, softcap=softcap)
     own = cpu_ops.decode_attention if cpu_ops.use_fused(q) else None  # our C++ kernel where it runs
     return torch_decode.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, shared_prefixes, plan, own
+        q, k_cache, v_cache, block_tables, context_lens, scale, shared_prefixes, plan, own, window, softcap
     )
 
 
@@ -100,17 +104,20 @@ def paged_prefill_attention(
     scale: float,
     *,
     backend: str | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged K/V (cached prefix included).
 
     q: [T, Hq, D], sequence b's tokens at cu_seqlens_q[b]:cu_seqlens_q[b+1]; they are the last
     q_len_b of context_lens[b] positions, and their K/V are already in the cache. Returns [T, Hq, D].
+    window, softcap: as paged_decode_attention's.
     """
     if _use_triton(q, backend):
         from kernels.triton.prefill import paged_prefill_attention as impl
     else:
         impl = torch_prefill.paged_prefill_attention
-    return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=window, softcap=softcap)
 
 
 def write_kv(

@@ -33,6 +33,7 @@ FLAG_KEYS = {
     "device": "model.device",
     "backend": "model.attention_backend",
     "threads": "model.threads",
+    "speculative_config": "model.speculative_config",
     "block_size": "cache.block_size",
     "kv_cache_mib": "cache.kv_cache_mib",
     "num_blocks": "cache.num_blocks",
@@ -98,6 +99,9 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
                    help="paged-attention implementation (auto: triton on CUDA, torch on the CPU)")
     m.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads for the model (0 = PyTorch's default, one per core)")
+    m.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding as vLLM takes it, e.g. \'{"method": "ngram", "num_speculative_tokens": '
+                   '4}\' (prompt lookup: the same reply, sooner where it repeats earlier text)')
 
 
 def _cache_options(parser: argparse.ArgumentParser) -> None:

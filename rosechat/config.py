@@ -53,6 +53,12 @@ def _min(lo: float) -> dict[str, Any]:
     return {"min": lo}
 
 
+def _speculative(value: str) -> None:
+    from engine.spec_decode import SpeculativeConfig
+
+    SpeculativeConfig.parse(value)  # ValueError naming what is wrong
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -63,6 +69,7 @@ class ModelConfig:
     attention_backend: str = dataclasses.field(metadata={"choices": BACKENDS})
     cuda_graphs: bool
     threads: int = dataclasses.field(metadata=_min(0))
+    speculative_config: str = dataclasses.field(metadata={"check": _speculative})
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,7 @@ class Config:
             "attention_backend": self.model.attention_backend,
             "cuda_graphs": self.model.cuda_graphs,
             "num_threads": self.model.threads,
+            "speculative_config": self.model.speculative_config or None,
             "block_size": c.block_size,
             "kv_cache_bytes": c.kv_cache_mib * 2**20 if c.kv_cache_mib else None,
             "num_blocks": c.num_blocks or None,
@@ -291,6 +299,11 @@ def _check_value(layer: _Layer, table: str, field: dataclasses.Field, expected: 
         raise layer.error(table, field.name, f"must be a power of two, got {value!r}")
     if "max" in meta and value > meta["max"]:
         raise layer.error(table, field.name, f"must be <= {meta['max']}, got {value!r}")
+    if "check" in meta:
+        try:
+            meta["check"](value)
+        except ValueError as e:
+            raise layer.error(table, field.name, str(e)) from None
     return value
 
 

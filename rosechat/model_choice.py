@@ -23,6 +23,7 @@ def choose_model(config: Config) -> tuple[ModelSource, str | None]:
     """(where the model is, a notice when the demo runs instead of the default). Checks the
     device and backend too, so nothing the engine would refuse reaches the UI."""
     from engine import EngineConfig, ModelNotFoundError, resolve_model
+    from engine.weights.memory import check_source_fits
 
     name = config.model.name
     try:
@@ -32,6 +33,8 @@ def choose_model(config: Config) -> tuple[ModelSource, str | None]:
     try:
         source = resolve_model(name)
         source.quantization = config.model.quantization  # load_model's default for this source
+        # too large for this machine: said now, not by the OOM killer halfway through the load
+        check_source_fits(source, config.model.device, config.model.dtype, config.model.quantization)
         return source, None
     except ModelNotFoundError as e:
         if not config.is_default("model.name"):

@@ -22,8 +22,10 @@ CORPUS = (
     "paris is the capital of france. you are a helpful assistant. hello there, how are you today? "
     "system user assistant: be brief and kind. one two three four five six seven eight nine ten. "
 )
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
+             "gemma2": "gemma2", "gemma3": "gemma3"}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+NO_KERNEL = ("Q2_K", "Q3_K")  # K-quants without a kernel of ours (random blocks too)
 
 
 def bpe_tokenizer():
@@ -47,6 +49,11 @@ def _k_quant_blocks(rows: int, cols: int, qtype: Any, rng: np.random.Generator) 
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     if qtype.name == "Q6_K":  # ql, qh, int8 scales, then d
         data[..., 208:210] = np.frombuffer(np.float16(2e-5).tobytes(), np.uint8)
+    elif qtype.name == "Q3_K":  # hmask, qs, 6-bit scales, then d
+        data[..., 108:110] = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)
+    elif qtype.name == "Q2_K":  # 4-bit scales and mins, qs, then d and dmin
+        data[..., 80:82] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+        data[..., 82:84] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
     else:  # d, dmin, 6-bit scales and mins, (qh,) qs
         data[..., 0:2] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
         data[..., 2:4] = np.frombuffer(np.float16(5e-4).tobytes(), np.uint8)
@@ -62,12 +69,14 @@ def write_gguf(
     tie: bool = True,
     sampling: dict[str, float] | None = None,
     seed: int = 0,
+    tensor_qtypes: dict[str, str] | None = None,
     **config_overrides: Any,
 ):
     """Write a random tiny `arch` model as GGUF at `path`; return the transformers model it came from.
 
-    Matrices get `qtype` (`embed_qtype` for the token embedding); norms and biases stay F32, as in
-    llama.cpp's files. `tie=True` writes no output.weight (the real SmolLM2 file has none)."""
+    Matrices get `qtype` (`embed_qtype` for the token embedding; `tensor_qtypes` by GGUF tensor kind,
+    as {"attn_v": "Q6_K"}: a Q4_K_M-like mix); norms and biases stay F32, as in llama.cpp's files.
+    `tie=True` writes no output.weight (the real SmolLM2 file has none)."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -101,9 +110,12 @@ def write_gguf(
         writer.add_feed_forward_length(config.intermediate_size)
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+        if g_arch.startswith("gemma"):
+            _gemma_keys(writer, config)
+        else:
+            writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
         if g_arch == "llama":
             writer.add_rope_dimension_count(head_dim)
     for key, value in (sampling or {}).items():
@@ -141,7 +153,10 @@ def write_gguf(
 
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             data = permute_qk(data, heads)
+        if g_arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp stores Gemma's norms as the 1 + w they multiply by
         chosen = embed_qtype if name == "token_embd.weight" and embed_qtype else qtype
+        chosen = (tensor_qtypes or {}).get(name.split(".")[-2], chosen)
         _add(writer, name, data, chosen if data.ndim == 2 else "F32", rng)
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":  # llama.cpp stores Llama 3 scaling as per-frequency divisors
@@ -158,18 +173,55 @@ def write_gguf(
     return model, tok
 
 
+def _gemma_keys(writer: Any, config: Any) -> None:
+    """The keys llama.cpp's Gemma2Model / Gemma3Model converters write (neither stores
+    query_pre_attn_scalar: llama.cpp takes head_dim). The sliding-window pattern, which llama.cpp
+    fixes per architecture (2, 6), is written only where the config departs from it."""
+    import gguf
+
+    writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        every = 2
+    else:
+        full = config.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+        every = 6
+    sliding = [t == "sliding_attention" for t in config.layer_types]
+    if sliding != [(i + 1) % every != 0 for i in range(config.num_hidden_layers)]:
+        writer.add_sliding_window_pattern(sliding)
+
+
 def _add(writer: Any, name: str, data: np.ndarray, qtype: str, rng: np.random.Generator) -> None:
     import gguf
 
     q = gguf.GGMLQuantizationType[qtype]
     if qtype == "F32":
         writer.add_tensor(name, data)
-    elif qtype in K_QUANTS:
+    elif qtype in K_QUANTS + NO_KERNEL:
         rows, cols = data.shape
         writer.add_tensor(name, _k_quant_blocks(rows, cols, q, rng), raw_dtype=q)
     else:
         packed = gguf.quants.quantize(data, q)
         writer.add_tensor(name, packed, raw_dtype=q)
+
+
+def write_typed(path: Path, qtype: str, arch: str = "llama") -> None:
+    """A header of `arch` and one token embedding of `qtype` (zero blocks: only its type is read)."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[q]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64 // block * size), np.uint8), raw_dtype=q)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def transformers_from_gguf(path: Path):

@@ -47,6 +47,24 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6),
     ),
+    # MQA with head_dim 32 (not hidden/heads), a window of 8 so short prompts outgrow it, 4 layers:
+    # Gemma 2 alternates sliding / global; Gemma 3's pattern is given (the default is 5 sliding : 1 global)
+    "gemma2": (
+        "Gemma2Config",
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+             sliding_window=8, query_pre_attn_scalar=48, attn_logit_softcapping=0.5,
+             final_logit_softcapping=1.0),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+             sliding_window=8, query_pre_attn_scalar=32,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
+    ),
     "gpt2": (
         "GPT2Config",
         dict(n_embd=128, n_layer=2, n_head=4, n_positions=256, layer_norm_epsilon=1e-5),

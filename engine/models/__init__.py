@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -22,12 +23,16 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
+# config.model_type -> architecture, for configs that name none (a bare Gemma3TextConfig)
+MODEL_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def get_model_class(config: Any) -> type[nn.Module]:
     architectures = getattr(config, "architectures", None) or []
-    arch = architectures[0] if architectures else None
+    arch = architectures[0] if architectures else MODEL_TYPES.get(getattr(config, "model_type", None))
     if arch not in MODEL_REGISTRY:
         raise ValueError(
             f"unsupported model architecture {arch!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
@@ -38,6 +43,8 @@ def get_model_class(config: Any) -> type[nn.Module]:
 __all__ = [
     "MODEL_REGISTRY",
     "GPT2LMHeadModel",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",

@@ -109,6 +109,19 @@ class MergedLinear(Linear):
         return sum(self.output_sizes[:shard]), self.output_sizes[shard]
 
 
+def layer_window(config: Any, layer: int) -> int | None:
+    """The sliding window of one layer (None: full attention), as transformers decides it: a config
+    with `layer_types` (Gemma 2/3, Qwen2/3) slides on its "sliding_attention" layers; Mistral, which
+    has none, on every layer; `use_sliding_window = False` (Qwen) turns it off."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return int(window) if types[layer] == "sliding_attention" else None
+    return int(window)
+
+
 # --- rotary position embeddings ---------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     get_activation,
+    layer_window,
     linear,
     rope_parameters,
     rotate_qk,
@@ -41,7 +42,8 @@ class LlamaAttentionBlock(nn.Module):
         # Qwen3 normalises every head of q and k before RoPE
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx,
+                              window=layer_window(config, layer_idx))
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata) -> Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -96,17 +98,16 @@ class LlamaDecoderLayer(nn.Module):
 
     def decode_weights(self) -> list[Tensor] | None:
         """This layer's tensors for cpu_ops.llama_decode_weights: fp32 norms and packed
-        block weights (ours), no biases, no q/k norms, SiLU; None when the layer has anything else."""
+        block weights (ours), no biases, no q/k norms, SiLU, full attention; None when the layer has
+        anything else (a sliding window: the one-call decode attends every key)."""
         attn, mlp = self.self_attn, self.mlp
         norms = [self.input_layernorm, self.post_attention_layernorm]
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        if (attn.q_norm is not None or mlp.act is not None or norms[0].eps != norms[1].eps
+        if (attn.q_norm is not None or mlp.act is not None or norms[0].eps != norms[1].eps or attn.attn.window
                 or any(n.weight.dtype != torch.float32 for n in norms)
                 or any(not isinstance(m.weight, BlockWeight) or m.bias is not None for m in linears)):
             return None
-        empty = torch.empty(0)
-        return [n.weight.detach() for n in norms] + [
-            t for m in linears for t in (m.weight.qs, m.weight.d, getattr(m.weight, "m", empty))]
+        return [n.weight.detach() for n in norms] + [t for m in linears for t in m.weight.decode_operands()]
 
 
 class LlamaModel(nn.Module):
@@ -210,8 +211,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same graph as Llama. Sliding-window attention is not applied; the loader caps the context
-    length at the window instead, which keeps results exact."""
+    """Same graph as Llama, with a sliding window on every layer when the config has one (the
+    layers' Attention takes it from layer_window)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

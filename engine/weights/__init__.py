@@ -4,13 +4,18 @@
                    without reading weights
     gguf.py        a GGUF file through the `gguf` package: config, tokenizer, tensors (dense, or raw
                    blocks for a packed load)
-    blocks.py      GGUFBlocks: a quantized matrix as its raw GGUF blocks; GGML's byte layout
+    blocks.py      GGUFBlocks: a quantized matrix as its raw GGUF blocks (BlockShards: of mixed types);
+                   GGML's byte layout
+    formats.py     each GGUF type's packed form under "auto", whether it has a kernel, its memory
     q4.py          the 4-bit format: Q4_0 / Q4_1 / Q4_K -> Q4Weight (our CPU kernels), Int4Weight (torch's)
+    q5.py          the 5-bit formats: Q5_0 -> Q8Weight, Q5_1 / Q5_K -> Q8MWeight (our CPU kernels)
+    q6.py          the 6-bit format: Q6_K (and mixed K-quant shards) -> Q6Weight (our CPU kernels)
     q8.py          the 8-bit format: Q8_0 -> Q8Weight (our CPU kernels), Int8Weight (torch's)
     packed.py      PackedWeight, what a packed operand offers; BlockWeight; GPUBlockWeight (Triton)
     routes.py      which kernels multiply packed weights on a device, and pack(): one matrix for them
     packing.py     PackedLinear / PackedEmbedding, and which modules a load packs in which format
     checkpoint.py  load_weights: checkpoint tensors into a built model's parameters and packed modules
+    memory.py      whether a GGUF model and the smallest KV cache fit the available memory (before loading)
     loader.py      load_model: a name to a LoadedModel, through all of the above
 
 Callers import from the modules themselves; this package imports nothing, since engine.models imports

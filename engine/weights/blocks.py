@@ -1,6 +1,7 @@
-"""A quantized GGUF matrix as its raw blocks (`GGUFBlocks`), and the pieces of GGML's byte layout
-that both formats (q4.py, q8.py) and the GPU route (packed.py) read: blocks of 32 weights, fp16
-scales, 4-bit values two to a byte."""
+"""A quantized GGUF matrix as its raw blocks (`GGUFBlocks`; shards of mixed types, `BlockShards`),
+and the pieces of GGML's byte layout that the formats (q4.py, q5.py, q6.py, q8.py) and the GPU route
+(packed.py) read: blocks of 32 weights, fp16 scales, 4-bit values two to a byte, K-quants' 6-bit
+scales."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor
 
 GROUP = 32  # int4 group size: one GGUF Q4_0/Q4_1/Q8_0 block
+SUPER = 256  # a K-quant super-block
 
 
 @dataclass
@@ -60,3 +62,38 @@ def f16_field(data: Tensor, start: int) -> Tensor:
 def ggml_nibbles(qs: Tensor) -> Tensor:
     """GGML's 4-bit layout: byte j holds element j (low nibble) and element j + 16 (high)."""
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def k_scale_min(data: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K / Q5_K super-blocks [..., bytes] (d, dmin, then 12 bytes at 4) -> the 6-bit scales and mins
+    of their 8 sub-blocks, float32 [..., 8] (llama.cpp's get_scale_min_k4: sub-blocks 0-3, then 4-7)."""
+    sc_bytes = data[..., 4:16].to(torch.int32)
+    low, high, extra = sc_bytes[..., 0:4], sc_bytes[..., 4:8], sc_bytes[..., 8:12]
+    sc = torch.cat((low & 63, (extra & 0x0F) | ((low >> 6) << 4)), dim=-1).float()
+    mn = torch.cat((high & 63, (extra >> 4) | ((high >> 6) << 4)), dim=-1).float()
+    return sc, mn
+
+
+def block_tensor(blocks: GGUFBlocks, block_weights: int) -> Tensor:
+    """A writable uint8 view [out, in / block_weights, block bytes] of the blocks."""
+    out_f, in_f = blocks.shape
+    return torch.from_numpy(np.array(blocks.data)).view(out_f, in_f // block_weights, -1)
+
+
+@dataclass
+class BlockShards:
+    """Row shards of one matrix (a merged q|k|v) whose GGUF types differ (Q4_K_M's Q6_K v beside Q4_K
+    q and k): packed together where one exact form holds them all (routes.pack), else through fp32."""
+
+    parts: list[GGUFBlocks]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def type_names(self) -> set[str]:
+        return {p.type_name for p in self.parts}
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])

@@ -35,10 +35,17 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # llama.cpp's converter interleaves the rotary halves of q/k rows for these (Llama-style RoPE);
 # `transformers` un-permutes them the same way.
 _PERMUTED_QK = {"llama", "mistral"}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (what the norm multiplies by);
+# ours hold w, as Hugging Face checkpoints do (transformers' GGUF loader subtracts the 1 too).
+_NORM_PLUS_ONE = {"gemma2", "gemma3"}
+# llama.cpp's Gemma 27B models scale queries by hidden/heads, not head_dim (by their layer count)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _SPLIT_NAME = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 # general.sampling.* key -> SamplingParams field
@@ -122,6 +129,9 @@ class GGUFModel:
         try:
             self.header = read_header(path)
         except HeaderError as e:
+            if e.type_id is not None:  # a type id newer than the installed gguf package
+                raise GGUFError(f"{path.name}: a tensor has GGML type id {e.type_id}, which this gguf package "
+                                f"({_gguf_version()}) does not know; rosechat cannot load it") from e
             if e.truncated:
                 raise GGUFError(f"{path} is truncated or damaged: its tensors' data does not fit the file "
                                 f"({path.stat().st_size:,} bytes; {e}); download or copy it again") from e
@@ -135,6 +145,27 @@ class GGUFModel:
         if self.arch not in ARCHITECTURES:
             raise GGUFError(f"{path.name}: GGUF architecture {self.arch!r} is not supported; "
                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        self._check_tensor_types()
+
+    def _check_tensor_types(self) -> None:
+        """Refuse, naming the tensor, a type the load cannot read (gguf's dequantizers lack it: Q8_1,
+        integer or F64 tensors), now rather than partway through the weights: one zero block of each type
+        goes through the dequantizer (the header says the types; no tensor data is read)."""
+        import numpy as np
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+
+        seen: set[str] = set()
+        for t in self.header.tensors:
+            if t.type_name in seen:
+                continue
+            seen.add(t.type_name)
+            qtype = GGMLQuantizationType[t.type_name]
+            try:
+                dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+            except NotImplementedError:
+                raise GGUFError(f"{self.path.name}: tensor {t.name!r} has type {t.type_name}, which rosechat "
+                                "cannot load (it reads F32, F16, BF16, Q4_0 to Q8_0, the K-quants and the IQ "
+                                "types)") from None
 
     @functools.cached_property
     def reader(self) -> Any:
@@ -162,7 +193,37 @@ class GGUFModel:
                 config.n_inner = int(ffn)
             if (ctx := self.field("gpt2.context_length")) is not None:
                 config.n_positions = int(ctx)
+        if self.arch in _NORM_PLUS_ONE:
+            self._gemma_config(config)
         return config
+
+    def _gemma_config(self, config: Any) -> None:
+        """What llama.cpp stores, or assumes, for Gemma and transformers' GGUF mapping does not read:
+        soft-capping, the sliding-window pattern, the query scale, Gemma 3's local RoPE base and scaling."""
+        arch = self.arch
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if (value := self.field(f"{arch}.{key}")) is not None:
+                setattr(config, key, float(value))
+        pattern = self.field(f"{arch}.attention.sliding_window_pattern")
+        if pattern is not None:  # an int n (every n-th layer global) or one flag per layer (True: sliding)
+            n = config.num_hidden_layers
+            flags = ([bool(f) for f in pattern] if isinstance(pattern, list)
+                     else [int(pattern) == 0 or (i + 1) % int(pattern) != 0 for i in range(n)])
+            config.layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
+        # llama.cpp: 1 / sqrt(head_dim), except the 27B models' 1 / sqrt(hidden / heads)
+        big = config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]
+        config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads if big
+                                        else config.head_dim)
+        if arch == "gemma3":
+            rope = dict(getattr(config, "rope_parameters", None) or {})
+            full = dict(rope.get("full_attention") or {"rope_type": "default"})
+            if (theta := self.field("gemma3.rope.freq_base")) is not None:
+                full["rope_theta"] = float(theta)
+            if self.field("gemma3.rope.scaling.type") == "linear":  # global layers only, as llama.cpp
+                full.update(rope_type="linear", factor=float(self.field("gemma3.rope.scaling.factor")))
+            local = dict(rope.get("sliding_attention") or {"rope_type": "default"})
+            local["rope_theta"] = float(self.field("gemma3.rope.freq_base_swa", 10000.0))
+            config.rope_parameters = {"full_attention": full, "sliding_attention": local}
 
     def load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -296,6 +357,8 @@ class GGUFModel:
             tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
             if self.arch == "gpt2" and hf.endswith(_GPT2_CONV1D):
                 tensor = tensor.t()  # back to the Conv1D layout of a Hugging Face GPT-2 checkpoint
+            if self.arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
+                tensor = tensor - 1.0
             yield hf, tensor, self.path.name
             drop_mapped_pages(data, start, t.offset + t.n_bytes - start)
             if progress is not None:
@@ -316,6 +379,15 @@ class GGUFModel:
 
 
 _GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"gguf {version('gguf')}"
+    except PackageNotFoundError:
+        return "gguf"
 
 
 def _checkpoint_names(model: nn.Module) -> Iterator[str]:

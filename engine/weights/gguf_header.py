@@ -22,9 +22,9 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 class HeaderError(ValueError):
     """Not a GGUF header this can read (`truncated`: the file ends before its header or data does)."""
 
-    def __init__(self, message: str, truncated: bool = False) -> None:
+    def __init__(self, message: str, truncated: bool = False, type_id: int | None = None) -> None:
         super().__init__(message)
-        self.truncated = truncated
+        self.truncated, self.type_id = truncated, type_id  # type_id: a tensor type the gguf package lacks
 
 
 @dataclass
@@ -127,7 +127,7 @@ def read_header(path: Path) -> Header:
         try:
             qtype = GGMLQuantizationType(kind)
         except ValueError as e:
-            raise HeaderError(f"tensor {name!r} has an unknown type {kind}") from e
+            raise HeaderError(f"tensor {name!r} has an unknown type {kind}", type_id=kind) from e
         block, block_bytes = GGML_QUANT_SIZES[qtype]
         count = 1
         for d in shape:

@@ -28,6 +28,7 @@ from engine.models import get_model_class
 from engine.weights.cache import WeightCache
 from engine.weights.checkpoint import WeightLoadError, load_weights
 from engine.weights.gguf import GGUFModel, drop_mapped_pages
+from engine.weights.memory import check_gguf_fits
 from engine.weights.packing import check_packing, packable_modules, plan_packing, release_freed_memory, swap_in_packed
 from engine.weights.routes import kernels_available, route
 from engine.weights.source import ModelSource, generation_defaults, resolve_model
@@ -136,6 +137,7 @@ def _load_gguf(
     if source.gguf is None:
         say("reading the file")
     gguf = source.gguf or GGUFModel(source.path)
+    check_gguf_fits(gguf, quantization, dtype.itemsize, str(device))  # before anything large is allocated
     config, tokenizer = gguf.config_and_tokenizer(say)
     net = build_model(config, dtype, torch.device("meta"))
     raw = plan_packing(net, config, gguf, quantization, device, dtype)
@@ -208,13 +210,9 @@ class _SkipMetaInit(TorchFunctionMode):
 
 
 def max_model_len(config: Any) -> int:
-    """Context length: max_position_embeddings, capped at a sliding window if the model has one
-    (the paged kernels attend to the full context, so longer contexts would be inexact)."""
-    length = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        length = min(length, int(window))
-    return length
+    """Context length: max_position_embeddings. Sliding-window layers (Gemma, Mistral, Qwen with
+    use_sliding_window) attend their window exactly in the paged kernels, so a window does not cap it."""
+    return int(config.max_position_embeddings)
 
 
 def _eos_ids(path: Path, config: Any, tokenizer: Any) -> list[int]:

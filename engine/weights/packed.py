@@ -124,6 +124,12 @@ class BlockWeight(PackedWeight):
     def dequantize(self) -> Tensor:
         return self.rows(torch.arange(self.shape[0]), torch.float32)
 
+    def decode_operands(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(qs, d, m, sc) as decode.cpp's linear takes them: m empty without offsets, sc but for q6."""
+        empty = torch.empty(0)
+        m, sc = getattr(self, "m", None), getattr(self, "sc", None)
+        return self.qs, self.d, empty if m is None else m, empty if sc is None else sc
+
 
 class GPUBlockWeight(PackedWeight):
     """Blocks of 32 on a GPU, multiplied by the Triton kernel (kernels.block_linear) in the

@@ -3,11 +3,13 @@ of a model's modules a load packs and in which format (`quantization`: "int4", "
 swapping them in while the model is still on the meta device, before any weight is allocated.
 
 Each packed module stages its checkpoint shards as they arrive and packs them once, through
-routes.pack, into the operand its device's route multiplies (q4.py, q8.py, packed.py).
+routes.pack, into the operand its device's route multiplies (q4.py, q5.py, q6.py, q8.py, packed.py);
+which form each GGUF type keeps, and what it costs, is formats.py's table.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -15,22 +17,14 @@ from torch import Tensor, nn
 
 from engine.defaults import QUANTIZATIONS
 from engine.weights.blocks import GROUP, GGUFBlocks
+from engine.weights.formats import auto_mode, no_kernel_warning
 from engine.weights.gguf import GGUFModel
 from engine.weights.packed import ROW_GROUP, BlockWeight, PackedWeight
 from engine.weights.routes import CPU, concat_rows, kernels_available, pack, route
 from engine.weights.rowpack import DENSE, fill_rows, source_type, streamed_class
 
 MODES = QUANTIZATIONS  # what load_model accepts (engine/defaults.py resolves "auto")
-
-# the precision class a file's tensor keeps under quantization="auto"
-_AUTO_CLASS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8",
-               "Q5_K": "int8", "Q6_K": "int8", "Q8_0": "int8"}
-
-
-def auto_mode(type_name: str) -> str:
-    """The packed form a GGUF tensor type keeps under quantization="auto" ("none" for float types)."""
-    return _AUTO_CLASS.get(type_name, "none")
-
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------- modules
 class PackedLinear(nn.Module):
@@ -206,6 +200,9 @@ def plan_packing(
     modes: dict[str, str] = {}
     types: dict[str, dict[int, str]] = {}  # module -> shard -> source type
     raw: set[str] = set()
+    hf_names = gguf._hf_names(net, config)
+    sizes = {hf_names[t.name]: int(t.n_elements) for t in gguf.reader.tensors if t.name in hf_names}
+    weights: dict[str, int] = {}  # GGUF type -> weights packed, for the warning about types without a kernel
     for hf, type_name in gguf.tensor_types(net, config).items():
         target = net.weight_target(hf)
         if target is None or not target[0].endswith(".weight"):
@@ -221,6 +218,9 @@ def plan_packing(
         modes[module] = mode
         types.setdefault(module, {})[target[1] or 0] = source_type(type_name)
         raw.add(hf)
+        weights[type_name] = weights.get(type_name, 0) + sizes.get(hf, 0)
+    if (message := no_kernel_warning(weights, quantization)) is not None:
+        log.warning(message)
     swap_in_packed(net, modes, dtype, device)
     for module, shard_types in types.items():
         packed = net.get_submodule(module)

@@ -8,7 +8,8 @@
   zero, `w = (q - 8) * scale + zero` (`int4_from_blocks` -> `Int4Weight`): the same types exactly, only
   the scales round to bf16.
 
-Any other tensor (Q5_x, Q6_K, float) is quantized by min/max per group of 32 (`quantize_int4`).
+Any other tensor (Q5_x, Q6_K, float) asked for as int4 is quantized by min/max per group of 32
+(`quantize_int4`); under quantization "auto" those types keep their own exact forms (q5.py, q6.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.weights.blocks import GROUP, GGUFBlocks, block_view, f16_field, ggml_nibbles
+from engine.weights.blocks import GROUP, GGUFBlocks, block_view, f16_field, ggml_nibbles, k_scale_min
 from engine.weights.packed import COMPUTE_DTYPE, ROW_GROUP, BlockWeight, PackedWeight
 from kernels.cpu import ops as cpu_ops
 
@@ -30,12 +31,7 @@ def _q4_k(data: Tensor, out_f: int, in_f: int) -> tuple[Tensor, Tensor, Tensor]:
     8 sub-blocks of 32, 128 bytes of nibbles): sub-block j is `d * sc_j * q - dmin * m_j`.
     Returns (q uint8 [out, in], scale, minimum [out, in/32]): `w = q * scale + minimum`."""
     d, dmin = f16_field(data, 0), f16_field(data, 2)  # [out, supers]
-    sc_bytes = data[..., 4:16].to(torch.int32)
-    low, high = sc_bytes[..., 0:4], sc_bytes[..., 4:8]
-    extra = sc_bytes[..., 8:12]
-    # llama.cpp's get_scale_min_k4: 6-bit scale and min of sub-blocks 0-3, then 4-7
-    sc = torch.cat((low & 63, (extra & 0x0F) | ((low >> 6) << 4)), dim=-1).float()
-    mn = torch.cat((high & 63, (extra >> 4) | ((high >> 6) << 4)), dim=-1).float()
+    sc, mn = k_scale_min(data)
     qs = data[..., 16:144].reshape(*data.shape[:-1], 4, 32)  # 4 chunks of 64 weights
     q = torch.stack((qs & 0x0F, qs >> 4), dim=-2).reshape(out_f, in_f)  # chunk i: low nibbles, then high
     return q, (d[..., None] * sc).reshape(out_f, -1), (-dmin[..., None] * mn).reshape(out_f, -1)
@@ -70,7 +66,7 @@ def q4_parts(source: Tensor | GGUFBlocks) -> tuple[Tensor, Tensor, Tensor]:
     quantized by min/max per group of 32 (through fp32 for other block types)."""
     parts = q4_from_blocks(source) if isinstance(source, GGUFBlocks) else None
     if parts is None:
-        q, scale, zero = quantize_int4(source.dequantize() if isinstance(source, GGUFBlocks) else source)
+        q, scale, zero = quantize_int4(source if isinstance(source, Tensor) else source.dequantize())
         parts = nibbles(q), scale, zero - 8 * scale
     return parts
 

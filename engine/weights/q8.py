@@ -36,7 +36,7 @@ def q8_from_blocks(blocks: GGUFBlocks) -> tuple[Tensor, Tensor] | None:
 def q8_parts(source: Tensor | GGUFBlocks) -> tuple[Tensor, Tensor]:
     """Rows of a matrix as (int8, d): exact from Q8_0 blocks, else by absmax per block of 32."""
     parts = q8_from_blocks(source) if isinstance(source, GGUFBlocks) else None
-    return parts or quantize_q8(source.dequantize() if isinstance(source, GGUFBlocks) else source)
+    return parts or quantize_q8(source if isinstance(source, Tensor) else source.dequantize())
 
 
 def quantize_q8(w: Tensor) -> tuple[Tensor, Tensor]:

@@ -95,7 +95,8 @@ def _hf_source(name: str, path: Path) -> ModelSource:
         raise ValueError(f"{path / 'config.json'} is empty or not a JSON object: not a model config")
     from types import SimpleNamespace
 
-    get_model_class(SimpleNamespace(architectures=config.get("architectures")))  # unsupported: ValueError
+    # unsupported: ValueError (a config naming no architecture goes by its model_type)
+    get_model_class(SimpleNamespace(architectures=config.get("architectures"), model_type=config.get("model_type")))
     checkpoint_files(path)  # no weights: ModelNotFoundError
     return ModelSource(name, "hf", path)
 

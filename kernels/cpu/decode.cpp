@@ -14,6 +14,8 @@
 namespace {
 
 using Linear4 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using Linear5 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&);
 using Linear3 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
 template <typename Sig>
@@ -21,12 +23,20 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-// x @ W.T for a packed weight given as (qs, d, m): uint8 qs is q4, int8 qs is q8 (m unused)
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+// x @ W.T for a packed weight given as (qs, d, m, sc) (BlockWeight.decode_operands): uint8 qs is q4;
+// int8 qs is q6 where sc is not empty, else q8 with m empty, q8m with offsets m
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                  const at::Tensor& sc) {
   static const auto q4 = op<Linear4>("rosechat_quant::q4_linear");
   static const auto q8 = op<Linear3>("rosechat_quant::q8_linear");
-  return qs.scalar_type() == at::kByte ? q4.call(x, qs, d, m) : q8.call(x, qs, d);
+  static const auto q8m = op<Linear4>("rosechat_quant::q8m_linear");
+  static const auto q6 = op<Linear5>("rosechat_quant::q6_linear");
+  if (qs.scalar_type() == at::kByte) return q4.call(x, qs, d, m);
+  if (sc.numel()) return q6.call(x, qs, d, sc, m);
+  return m.numel() == 0 ? q8.call(x, qs, d) : q8m.call(x, qs, d, m);
 }
+
+constexpr size_t kPerLayer = 18;  // the two norms, then 4 tensors for each of the 4 linears
 
 using Attention = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                       const at::Tensor&, const at::Tensor&, double);
@@ -69,7 +79,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   return out;
 }
 
-// weights: input norm, post-attention norm, then (qs, d, m) of qkv, o, gate_up and down (14 tensors).
+// weights: input norm, post-attention norm, then (qs, d, m, sc) of qkv, o, gate_up and down (18 tensors).
 // x [T, H]: the last layer's output; residual [T, H]: the stream before it (both updated in place:
 // the residual takes x, x is normed). Returns the layer's output, not yet added to the residual.
 // Every token is a decode; att_slots [T, L] / att_counts [T] and the prefixes are the step's gather plan.
@@ -85,13 +95,13 @@ at::Tensor llama_decode_layer(at::Tensor& x, at::Tensor& residual, at::TensorLis
   static const auto write_kv = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                        const at::Tensor&)>("rosechat_layers::write_kv");
   static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("rosechat_layers::silu_mul");
-  TORCH_CHECK(w.size() == 14, "llama_decode_layer takes 14 weight tensors, got ", w.size());
+  TORCH_CHECK(w.size() == kPerLayer, "llama_decode_layer takes 18 weight tensors, got ", w.size());
   TORCH_CHECK(prefix_seqs.size() == prefix_blocks.size() && prefix_blocks.size() == prefix_first.size(),
               "one member list, block list and first block per shared prefix");
 
   const int64_t T = x.size(0), D = k_cache.size(-1), q_size = num_heads * D, kv_size = num_kv_heads * D;
   add_rms_norm.call(x, residual, w[0], eps);
-  const at::Tensor qkv = linear(x, w[2], w[3], w[4]);
+  const at::Tensor qkv = linear(x, w[2], w[3], w[4], w[5]);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
@@ -99,24 +109,24 @@ at::Tensor llama_decode_layer(at::Tensor& x, at::Tensor& residual, at::TensorLis
   write_kv.call(k, v, k_cache, v_cache, slot_mapping);
   const at::Tensor attended = attend(q.contiguous(), k_cache, v_cache, att_slots, att_counts, scale, prefix_seqs,
                                      prefix_blocks, prefix_first);
-  at::Tensor o = linear(attended.view({T, q_size}), w[5], w[6], w[7]);
+  at::Tensor o = linear(attended.view({T, q_size}), w[6], w[7], w[8], w[9]);
   add_rms_norm.call(o, residual, w[1], eps);
-  return linear(silu_mul.call(linear(o, w[8], w[9], w[10])), w[11], w[12], w[13]);
+  return linear(silu_mul.call(linear(o, w[10], w[11], w[12], w[13])), w[14], w[15], w[16], w[17]);
 }
 
 // A Llama model's decode weights, held in C++ once (packed weights are final after loading), so a
-// step passes one object where it passed each layer's 14 tensors from Python: converting them and
+// step passes one object where it passed each layer's 18 tensors from Python: converting them and
 // the Python loop over 30 layers cost ~0.6 ms a step, a tenth of a one-sequence step.
 struct LlamaDecodeWeights : torch::CustomClassHolder {
-  std::vector<at::Tensor> w;  // 14 per layer (as llama_decode_layer takes them), then the final norm
+  std::vector<at::Tensor> w;  // 18 per layer (as llama_decode_layer takes them), then the final norm
   double eps, scale;
   int64_t num_heads, num_kv_heads;
   LlamaDecodeWeights(std::vector<at::Tensor> weights, double eps, double scale, int64_t num_heads,
                      int64_t num_kv_heads)
       : w(std::move(weights)), eps(eps), scale(scale), num_heads(num_heads), num_kv_heads(num_kv_heads) {
-    TORCH_CHECK(w.size() % 14 == 1, "14 weight tensors per layer, then the final norm: got ", w.size());
+    TORCH_CHECK(w.size() % kPerLayer == 1, "18 weight tensors per layer, then the final norm: got ", w.size());
   }
-  int64_t num_layers() const { return static_cast<int64_t>(w.size() / 14); }
+  int64_t num_layers() const { return static_cast<int64_t>(w.size() / kPerLayer); }
 };
 
 // Every layer of a decode-only step, then the final norm: x [T, H] embedded tokens -> normed hidden
@@ -134,7 +144,7 @@ at::Tensor llama_decode(const c10::intrusive_ptr<LlamaDecodeWeights>& model, at:
   at::Tensor residual = at::zeros_like(x);  // the first layer's residual add is onto zeros
   for (int64_t l = 0; l < layers; ++l) {
     at::Tensor k_cache = k_pool.select(0, l), v_cache = v_pool.select(0, l);
-    x = llama_decode_layer(x, residual, at::TensorList(model->w).slice(14 * l, 14), model->eps, cos, sin, k_cache,
+    x = llama_decode_layer(x, residual, at::TensorList(model->w).slice(kPerLayer * l, kPerLayer), model->eps, cos, sin, k_cache,
                            v_cache, slot_mapping, att_slots, att_counts, prefix_seqs, prefix_blocks, prefix_first,
                            model->scale, model->num_heads, model->num_kv_heads);
   }

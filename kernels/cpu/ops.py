@@ -2,7 +2,8 @@
 layers of a decode step (layers.cpp) and a whole Llama layer of a decode step (decode.cpp).
 
 `q4_linear(x, qs, d, m)` and `q8_linear(x, qs, d)` (once `available()` has built them) multiply
-float32 activations by weights kept in blocks of 32 (the layouts are described in quant.cpp);
+float32 activations by weights kept in blocks of 32 (the layouts are described in quant.cpp), and
+`q8m_linear` / `q6_linear` by GGUF's 5- and 6-bit blocks (quant_k.cpp);
 the rest are float32 RMSNorm, RoPE, SiLU * up, the K/V write and one-query paged attention.
 Each ISA variant (kernels/cpu/isa.py) is built by `torch.utils.cpp_extension` when the project is set
 up (`python -m kernels.cpu.build`, run by `make setup`), into the environment; a variant not built then
@@ -27,7 +28,8 @@ from torch import Tensor
 from kernels.cpu import isa as cpu_isa
 
 BLOCK = 32
-_SOURCES = [Path(__file__).with_name(f) for f in ("quant.cpp", "layers.cpp", "decode.cpp")]
+_SOURCES = [Path(__file__).with_name(f) for f in ("quant.cpp", "quant_k.cpp", "layers.cpp", "decode.cpp")]
+_HEADERS = [Path(__file__).with_name(f) for f in ("quant.h", "pool.h")]
 log = logging.getLogger(__name__)
 
 
@@ -54,7 +56,7 @@ def build_dir(isa: str) -> Path:
     Python's versions, so no checkout, torch or CPU ever loads another's build. In the environment
     (built by `make setup`) where it is writable, else in the user cache."""
     key = hashlib.sha256()
-    for f in _SOURCES + [_SOURCES[0].with_name("pool.h")]:
+    for f in _SOURCES + _HEADERS:
         key.update(f.read_bytes())
     key.update(" ".join([*_cflags(isa), isa, torch.__version__, sys.version]).encode())
     root = Path(sys.prefix) / "share" / "rosechat-kernels"
@@ -209,6 +211,18 @@ def pack_scales(d: Tensor) -> Tensor:
     return groups.view(-1, 8, nb).transpose(1, 2).contiguous()
 
 
+_EMPTY = torch.empty(0)  # "no offsets" for q6
+
+
+def pack_sub_scales(sc: Tensor) -> Tensor:
+    """Scales of half blocks (16 weights) int8 [N, K/16] -> q6_linear's groups of 8 rows, int8
+    [ceil(N/8), K/32, 2, 8] (zeros pad the last group): a block's first halves, then its second ones."""
+    n, halves = sc.shape
+    groups = sc.new_zeros((n + 7) // 8 * 8, halves)
+    groups[:n] = sc
+    return groups.view(-1, 8, halves // 2, 2).permute(0, 2, 3, 1).contiguous()
+
+
 def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs * d + m, per block of 32).T -> [M, N] float32; qs: pack_q4's layout
     [N, ceil(K/64) * 32] uint8, d and m: pack_scales' layout."""
@@ -219,6 +233,29 @@ def q8_linear(x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs [N, K] int8 in pack_q8's order * d, per block of 32).T -> [M, N] float32;
     d: pack_scales' layout."""
     return torch.ops.rosechat_quant.q8_linear(x, qs, d)
+
+
+def q8m_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
+    """x [M, K] float32 @ (qs * d + m, per block of 32).T -> [M, N] float32; qs as q8_linear's, d and m
+    pack_scales' layout (GGUF's Q5_1 and Q5_K, exactly)."""
+    return torch.ops.rosechat_quant.q8m_linear(x, qs, d, m)
+
+
+def q6_linear(x: Tensor, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None = None) -> Tensor:
+    """x [M, K] float32 @ (qs * d * sc (+ m)).T -> [M, N] float32; qs as q8_linear's, d the scale per 256
+    weights in pack_scales' layout, sc int8 per 16 in pack_sub_scales', m (or None) per 32 as pack_scales
+    lays it out (GGUF's Q6_K, and Q4_K / Q5_K rows beside them)."""
+    return torch.ops.rosechat_quant.q6_linear(x, qs, d, sc, _EMPTY if m is None else m)
+
+
+def q8m_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
+    """Rows ids (int64, any shape) of a q8m_linear weight as float32 [*ids.shape, K]."""
+    return torch.ops.rosechat_quant.q8m_rows(qs, d, m, ids)
+
+
+def q6_rows(qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None, ids: Tensor) -> Tensor:
+    """Rows ids (int64, any shape) of a q6_linear weight as float32 [*ids.shape, K]."""
+    return torch.ops.rosechat_quant.q6_rows(qs, d, sc, _EMPTY if m is None else m, ids)
 
 
 def q4_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
@@ -280,7 +317,8 @@ def sample_rows(logits: Tensor, seen: Tensor, seen_offsets: Tensor, penalties: T
 def llama_decode_weights(weights: list[Tensor], eps: float, scale: float, num_heads: int,
                          num_kv_heads: int) -> torch.ScriptObject:
     """A Llama model's decode weights held in C++ for llama_decode: per layer the two norms, then
-    (qs, d, m) of qkv, o, gate_up and down (14 tensors); then the final norm."""
+    (qs, d, m, sc) of qkv, o, gate_up and down (18 tensors: a BlockWeight's decode_operands()); then the
+    final norm."""
     return torch.classes.rosechat_decode.LlamaDecodeWeights(weights, eps, scale, num_heads, num_kv_heads)
 
 

@@ -6,8 +6,9 @@
 //       so one 16-bit lane holds element j of both halves of both blocks: shifts and masks widen
 //       them, no byte shuffles (cpu_ops.pack_q4 interleaves GGML bytes so; a lone last block is
 //       paired with zeros)
-//   q8: w = q * d,      q in -127..127 (GGUF Q8_0 exactly; Q5/Q6 blocks requantized per 32). A
-//       block's byte 2j is element j, byte 2j + 1 element j + 16 (cpu_ops.pack_q8): shifts widen them
+//   q8: w = q * d,      q in -127..127 (GGUF Q8_0 and Q5_0 exactly; float weights quantized per 32).
+//       A block's byte 2j is element j, byte 2j + 1 element j + 16 (cpu_ops.pack_q8): shifts widen them.
+//       quant_k.cpp's q8m (Q5_1, Q5_K) and q6 (Q6_K) keep this layout with other scales.
 //
 // Rows go in groups of 8: a group stores each 32-byte unit (a q4 block pair, a q8 block) of its 8
 // rows together (cpu_ops.interleave_rows), and the block scales d (and q4's m) as [group, block, 8]
@@ -22,139 +23,18 @@
 // instruction each per block for all 8. Memory traffic is the packed weight itself, a sixth (q4) or
 // a third (q8) of the fp32 matrix.
 //
-// Built at first use by torch.utils.cpp_extension (kernels/cpu/ops.py). Parallel over groups of
-// output rows through pool.h, so it honours torch.set_num_threads.
-#include <ATen/ATen.h>
+// The machinery the formats share (x's quantization, the tiles, row lookups) is in quant.h. Built at
+// first use by torch.utils.cpp_extension (kernels/cpu/ops.py). Parallel over groups of output rows
+// through pool.h, so it honours torch.set_num_threads.
 #include <torch/library.h>
-#include <immintrin.h>
 
-#include "pool.h"
-
-#include <algorithm>
-#include <vector>
-
-
-// The avx512 variant (kernels/cpu/isa.py) is built for F, BW, VL, DQ and VNNI. Its block sums take
-// VNNI's multiply-add: the same exact integers, so every result is the avx2 variant's bit for bit.
-// Block sums on 512-bit vectors (a row's block in one vector, one multiply-add per row of x, a wider
-// fold) were tried and measured 1.35x (one sequence) to 2.3x (eight) slower on Zen 4, which splits
-// 512-bit operations in two: the tiles keep 256 bits.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define ROSECHAT_AVX512 1
-#endif
+#include "quant.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int kLanes = 8;  // outputs a tile computes together: R weight rows x T rows of x, R * T = 8
-// At one row of x a tile streams 8 weight rows once: waiting on memory, not arithmetic, sets its
-// time (30 SmolLM2 layers streamed from DRAM took 1.75x as long as from L3). The weights are read in
-// order (a group's units, then the next group's), so each unit's cache lines are fetched this many
-// bytes ahead: 4.0 -> 3.35 ms for the 30 layers at 2 threads, 7.4 -> 5.6 ms at one (1 and 4 KiB: slower)
-constexpr int64_t kPrefetch = 2048;
+using namespace rosechat::quant;
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// x quantized per block of 32: q int16 block-major, [K/32, M, 32] (a tile of 8 rows of x reads 512
-// contiguous bytes a block, where rows K apart made 8 streams: 9% faster at 8 rows); d the block
-// scales and s = d * sum(q) (what a q4 block's offset m multiplies), [K/32, M + 8]: a tile loads
-// its rows' values with one load (the 8 slots past M are read but never used). The buffers are the
-// calling thread's, reused from call to call (a decode step makes ~120 of these calls; three
-// allocations each showed in its profile), so a thread holds one QuantizedRows at a time.
-struct QuantizedRows {
-  const int16_t* q;
-  const float *d, *s;
-  int64_t rows, stride;
-};
-
-// one row of x; q: its block 0, the next block rows * 32 values on
-void quantize_row(const float* x, int64_t k, int16_t* q, int64_t rows, float* d, float* s, int64_t stride) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < k / kBlock; ++b, x += kBlock, q += rows * kBlock) {
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-    __m256i i[4];
-    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // rounds to nearest
-    // packs works within 128-bit lanes: the 64-bit permute puts the 16 values back in order
-    const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[1]), 0xD8);
-    const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2], i[3]), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), lo);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), hi);
-    const float db = top / 32767.0f;
-    d[b * stride] = db;
-    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-    s[b * stride] = db * hsum(_mm256_cvtepi32_ps(sums));
-  }
-}
-
-QuantizedRows quantize_rows(const at::Tensor& x) {
-  const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock, stride = rows + kLanes;
-  thread_local std::vector<__m256i> q;  // 32-byte aligned: no load of a block straddles two cache lines
-  thread_local std::vector<float> scales;
-  if (q.size() > (int64_t{1} << 16) && rows * k / 16 * 4 < static_cast<int64_t>(q.size()))
-    q = {}, scales = {};  // after a long prompt's chunk (megabytes), decode steps need kilobytes
-  q.resize(rows * k / 16);
-  scales.resize(2 * nb * stride);
-  const float* xp = x.data_ptr<float>();
-  int16_t* qp = reinterpret_cast<int16_t*>(q.data());
-  float *dp = scales.data(), *sp = dp + nb * stride;
-  rosechat::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, qp + r * kBlock, rows, dp + r, sp + r, stride);
-  });
-  return {qp, dp, sp, rows, stride};
-}
-
-// The 8 int32 sums of a block's products for one weight row and one row of x, lanes partly summed
-inline __m256i block_dot(__m256i w_lo, __m256i w_hi, const int16_t* x) {
-  const __m256i lo = _mm256_madd_epi16(w_lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-#ifdef ROSECHAT_AVX512  // VNNI's multiply-add accumulates in the same instruction: the same integers
-  return _mm256_dpwssd_epi32(lo, w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
-#else
-  return _mm256_add_epi32(lo, _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
-#endif
-}
-
-// A transpose that adds as it goes, in three steps so a tile folds its sums as it computes them
-// (8 live vectors of 8 sums would not fit in AVX2's 16 registers with the rest): pair(a, b) holds
-// a's and b's sums in 4 lanes (2 each, per 128-bit half), quad(p, q) 4 outputs' in 2 lanes each,
-// and totals(q0, q1) has lane l the total of output l. Integer sums are exact, so an output's block
-// sum is the same whichever tile and lane computed it.
-inline __m256i pair(__m256i a, __m256i b) {
-  return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
-}
-inline __m256i quad(__m256i p, __m256i q) {
-  return _mm256_add_epi32(_mm256_unpacklo_epi64(p, q), _mm256_unpackhi_epi64(p, q));
-}
-inline __m256i totals(__m256i q0, __m256i q1) {
-  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
-}
-
-// Rows in groups of 8 (cpu_ops.interleave_rows): a group holds unit u (32 bytes: a q4 block pair, a
-// q8 block) of each of its rows together, so a tile's 8 rows are one sequential stream.
-struct Rows {
-  const uint8_t* q;
-  int64_t n, row_bytes;
-  // the distance between a row's units in the group starting at row o (the last may be short)
-  int64_t stride(int64_t o) const { return std::min<int64_t>(kLanes, n - o / kLanes * kLanes) * 32; }
-  const uint8_t* row(int64_t r) const { return q + r / kLanes * kLanes * row_bytes + r % kLanes * 32; }
-};
-
-// The weight formats: how a row's block b widens to two int16 halves, and whether blocks have an
-// offset m. Block scales d (and m) come in groups of 8 rows, [ceil(N/8), K/32, 8] (cpu_ops.pack_scales).
+// q4: nibbles, a pair of blocks a 32-byte unit (the layout above); d and m [ceil(N/8), K/32, 8]
 struct Q4 : Rows {
   const float *d, *m;
   int64_t nb;
@@ -169,125 +49,12 @@ struct Q4 : Rows {
       hi = _mm256_srli_epi16(v, 12);
     }
   }
+  template <int R>
+  __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return block_lanes<R>(d, nb, o, b, w_index); }
   static constexpr bool kOffset = true;
+  static constexpr int kParts = 1;
   static constexpr int kBlocksPerUnit = 2;
 };
-
-struct Q8 : Rows {
-  const float* d;
-  int64_t nb;
-  static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * stride));
-    lo = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // the low byte of each lane, sign-extended
-    hi = _mm256_srai_epi16(v, 8);
-  }
-  static constexpr bool kOffset = false;
-  static constexpr int kBlocksPerUnit = 1;
-};
-
-// Lane l takes p[index[l]], N values in all: all 8 in order is a load, one a broadcast, else a permute
-template <int N>
-inline __m256 lanes(const float* p, __m256i index) {
-  if constexpr (N == kLanes) return _mm256_loadu_ps(p);
-  else if constexpr (N == 1) return _mm256_broadcast_ss(p);
-  else return _mm256_permutevar8x32_ps(_mm256_loadu_ps(p), index);
-}
-
-// Weight rows o..o+R (within one group of 8) against x rows r0..r0+T, R * T = 8: lane i * T + t of one
-// accumulator holds output (o + i, r0 + t). Per block, each lane adds its exact integer block sum times
-// (weight scale * x scale) in one FMA (and q4's m * sum(x) in another), whatever R and T are: a
-// sequence's result does not depend on the batch around it (batch invariance). Rows past n (the last
-// group's) repeat row n - 1, unstored.
-template <int R, int T, typename W>
-inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, float* y) {
-  static_assert(R * T == kLanes);
-  const int64_t n = w.n, nb = w.nb;
-  const uint8_t* rows[R];
-  for (int i = 0; i < R; ++i) rows[i] = w.row(std::min(o + i, n - 1));
-  const int64_t stride = w.stride(o);
-  const int16_t* x = xq.q + r0 * kBlock;
-  // block 0's scales of o's group (a lone row's own, to broadcast), then kLanes floats a block
-  const int64_t scales_at = o / kLanes * nb * kLanes + (R == 1 ? o % kLanes : 0);
-  const float* wd = w.d + scales_at;
-  const float* xd = xq.d + r0;
-  const float* xs = xq.s + r0;
-  int w_lane[kLanes], x_lane[kLanes];
-  for (int l = 0; l < kLanes; ++l) w_lane[l] = o % kLanes + l / T, x_lane[l] = l % T;
-  const __m256i w_index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w_lane));
-  const __m256i x_index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_lane));
-  __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();  // two chains of FMAs, not one
-  for (int64_t b = 0; b < nb; ++b) {
-    const int16_t* xb = x + b * xq.rows * kBlock;  // block b of x row r0, row r0 + t 32 values on
-    if constexpr (T == 1) {  // a group's unit kPrefetch bytes on (wider tiles revisit units: no need)
-      if (b % W::kBlocksPerUnit == 0) {
-        const char* unit = reinterpret_cast<const char*>(rows[0] + b / W::kBlocksPerUnit * stride);
-        for (int line = 0; line < 4; ++line) _mm_prefetch(unit + kPrefetch + 64 * line, _MM_HINT_T0);
-      }
-    }
-    __m256i total;  // output l = i * T + t: weight row i times x row t
-    if constexpr (T == 1) {  // 8 rows: sums folded as they come (8 live sums and rows would spill)
-      const auto sum = [&](int i) {
-        __m256i lo, hi;
-        W::widen(rows[i], stride, b, lo, hi);
-        return block_dot(lo, hi, xb);
-      };
-      const auto pair_at = [&](int i) { const __m256i a = sum(i); return pair(a, sum(i + 1)); };
-      const auto quad_at = [&](int i) { const __m256i p = pair_at(i); return quad(p, pair_at(i + 2)); };
-      total = totals(quad_at(0), quad_at(4));
-    } else {  // every sum, then the transpose (measured faster where rows of x share a widened row)
-      __m256i s[kLanes];
-      for (int i = 0; i < R; ++i) {
-        __m256i lo, hi;
-        W::widen(rows[i], stride, b, lo, hi);
-        for (int t = 0; t < T; ++t) s[i * T + t] = block_dot(lo, hi, xb + t * kBlock);
-      }
-      total = totals(quad(pair(s[0], s[1]), pair(s[2], s[3])), quad(pair(s[4], s[5]), pair(s[6], s[7])));
-    }
-    const __m256 scale = _mm256_mul_ps(lanes<R>(wd + b * kLanes, w_index), lanes<T>(xd + b * xq.stride, x_index));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc);
-    if constexpr (W::kOffset)  // q4's m * sum(x) for the block
-      offsets = _mm256_fmadd_ps(lanes<R>(w.m + scales_at + b * kLanes, w_index), lanes<T>(xs + b * xq.stride, x_index),
-                                offsets);
-  }
-  float out[kLanes];
-  _mm256_storeu_ps(out, _mm256_add_ps(acc, offsets));
-  for (int i = 0; i < R && o + i < n; ++i)
-    for (int t = 0; t < T; ++t) y[(r0 + t) * n + o + i] = out[i * T + t];
-}
-
-// Weight rows [o_begin, o_end) (whole groups of 8) against x rows r0..r0+T, in tiles of 8 / T weight rows.
-template <int T, typename W>
-void row_tiles(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o_end, int64_t r0, float* y) {
-  for (int64_t o = o_begin; o < std::min(o_end, w.n); o += kLanes / T) tile<kLanes / T, T>(w, xq, o, r0, y);
-}
-
-template <typename W>
-at::Tensor blocked_linear(const at::Tensor& x, const W& w) {
-  const int64_t rows = x.size(0), n = w.n;
-  const QuantizedRows xq = quantize_rows(x);
-  at::Tensor y = at::empty({rows, n}, x.options());
-  float* yp = y.data_ptr<float>();
-  constexpr int64_t kOutBlock = 16;  // weight rows that stay in cache while every tile of x passes them
-  static_assert(kOutBlock % kLanes == 0, "tiles start on a group of 8 rows: chunks are whole grains");
-  rosechat::parallel_for(0, (n + kLanes - 1) / kLanes * kLanes, kOutBlock, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; o += kOutBlock) {
-      const int64_t o_end = std::min(end, o + kOutBlock);
-      int64_t r0 = 0;
-      for (; r0 + 8 <= rows; r0 += 8) row_tiles<8>(w, xq, o, o_end, r0, yp);
-      if (rows - r0 >= 4) row_tiles<4>(w, xq, o, o_end, r0, yp), r0 += 4;
-      if (rows - r0 >= 2) row_tiles<2>(w, xq, o, o_end, r0, yp), r0 += 2;
-      if (rows - r0 >= 1) row_tiles<1>(w, xq, o, o_end, r0, yp);
-    }
-  });
-  return y;
-}
-
-// A packed weight's block scales (or q4's offsets) for n rows of nb blocks, as pack_scales lays them out
-void check_scales(const at::Tensor& d, int64_t n, int64_t nb, const char* what) {
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
-                  d.size(1) == nb && d.size(2) == kLanes,
-              what, ": contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
-}
 
 // qs uint8 [N, ceil(K/64) * 32] (block pairs, cpu_ops.pack_q4); d and m float32 [ceil(N/8), K/32, 8]
 Q4 q4_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
@@ -299,20 +66,6 @@ Q4 q4_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(1) == (nb + 1) / 2 * 32,
               "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4), K = ", nb * kBlock);
   return Q4{Rows{qs.data_ptr<uint8_t>(), n, qs.size(1)}, d.data_ptr<float>(), m.data_ptr<float>(), nb};
-}
-
-// qs int8 [N, K] (cpu_ops.pack_q8's order); d float32 [ceil(N/8), K/32, 8]
-Q8 q8_weight(const at::Tensor& qs, const at::Tensor& d) {
-  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % kBlock == 0,
-              "q8 weight: contiguous int8 [N, K], K a multiple of 32 (cpu_ops.pack_q8)");
-  const int64_t n = qs.size(0), k = qs.size(1);
-  check_scales(d, n, k / kBlock, "block scales");
-  return Q8{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k}, d.data_ptr<float>(), k / kBlock};
-}
-
-void check_x(const at::Tensor& x, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns; the weight takes ", k);
 }
 
 // x [M, K] float32 @ the q4 weight (q4_weight) -> [M, N] float32
@@ -327,30 +80,6 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const Q8 w = q8_weight(qs, d);
   check_x(x, w.nb * kBlock);
   return blocked_linear(x, w);
-}
-
-// Rows ids of a packed weight as float32 [ids, K] (an embedding lookup): w = q * d (+ m), rounded as
-// engine/weights/packed.block_rows rounds it from GGML's blocks (a product, then a sum).
-template <typename Row>
-at::Tensor weight_rows(const Rows& rows, int64_t k, const at::Tensor& ids, const Row& row) {
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids: int64");
-  const at::Tensor flat = ids.reshape(-1).contiguous();
-  const int64_t* id = flat.data_ptr<int64_t>();
-  for (int64_t i = 0; i < flat.numel(); ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < rows.n, "row ", id[i], " of a weight with ", rows.n, " rows");
-  at::Tensor out = at::empty({flat.numel(), k}, at::kFloat);
-  float* o = out.data_ptr<float>();
-  rosechat::parallel_for(0, flat.numel(), 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) row(id[i], o + i * k);
-  });
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(k);
-  return out.view(shape);
-}
-
-// Block b's scale (or offset) of row r in pack_scales' [ceil(N/8), K/32, 8]
-inline float scale_of(const float* s, int64_t nb, int64_t r, int64_t b) {
-  return s[(r / kLanes * nb + b) * kLanes + r % kLanes];
 }
 
 at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {

@@ -136,6 +136,8 @@ def paged_decode_attention(
     shared_prefixes: Sequence[SharedPrefix] = (),
     plan: DecodePlan | None = None,
     own_attention: OwnAttention | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence: gather each sequence's keys token by token and run the fused
     attention kernel, a chunk of sequences at a time (a chunk's gathered K+V within KV_BUDGET).
@@ -146,10 +148,17 @@ def paged_decode_attention(
     stack into one matrix against the prefix's K/V, read once instead of once per sequence, and
     the result merges with each sequence's own suffix through the log-sum-exp of both parts.
     `plan` (from plan_decode with the same arguments) saves rebuilding the gather per layer.
+    A sliding window (keys > position - window only) or score soft-capping takes the sliced path,
+    which reads the block tables itself (the plan's shared prefixes would need per-sequence masks).
     """
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
+    if window and not softcap and int(context_lens.max()) <= window:
+        window = None  # every key is in the window (a short chat): the fast paths below apply
+    if window or softcap:
+        return sliced_attention(q, k_cache, v_cache, block_tables, range(B), [1] * B, context_lens.tolist(), scale,
+                                window, softcap)
     if (
         q.dtype != k_cache.dtype
         or q.dtype not in (torch.float32, torch.float64)

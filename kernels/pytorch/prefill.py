@@ -26,11 +26,15 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Packed new tokens q: [T, Hq, D] (sequence b's at cu_seqlens_q[b]:cu_seqlens_q[b+1], the last
-    of its context_lens[b] positions) against their paged K/V, causally. Returns [T, Hq, D]."""
+    of its context_lens[b] positions) against their paged K/V, causally. Returns [T, Hq, D].
+    window: a query at position p sees keys > p - window only; softcap: scores = tanh(s / cap) * cap."""
     starts, q_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q.diff().tolist()
-    return sliced_attention(q, k_cache, v_cache, block_tables, starts, q_lens, context_lens.tolist(), scale)
+    return sliced_attention(q, k_cache, v_cache, block_tables, starts, q_lens, context_lens.tolist(), scale,
+                            window, softcap)
 
 
 def sliced_attention(
@@ -42,9 +46,12 @@ def sliced_attention(
     q_lens: Sequence[int],
     ctx: Sequence[int],
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Sequence b's q_lens[b] query rows q[starts[b]:], the last of its ctx[b] positions, causally
-    against its paged K/V: chunks of sequences, each in row steps and key slices within the budgets."""
+    against its paged K/V: chunks of sequences, each in row steps and key slices within the budgets.
+    window / softcap: as paged_prefill_attention's (None: full attention, raw scores)."""
     out = torch.empty_like(q)
     kv_row = 2 * k_cache.shape[2] * k_cache.shape[3]
     # longest context first; a chunk grows while one K/V slice of all its sequences fits the
@@ -61,7 +68,7 @@ def sliced_attention(
         seqs = order[i:j]
         _attend_chunk(
             q, k_cache, v_cache, block_tables, seqs, [starts[b] for b in seqs],
-            [q_lens[b] for b in seqs], [ctx[b] for b in seqs], m, scale, out,
+            [q_lens[b] for b in seqs], [ctx[b] for b in seqs], m, scale, out, window, softcap,
         )  # fmt: skip
         i = j
     return out
@@ -79,6 +86,8 @@ def _attend_chunk(
     m: int,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Attention for the m (padded) query rows of each of the chunk's sequences, written to out."""
     n, (_, Hq, D), dev = len(seqs), q.shape, q.device
@@ -98,9 +107,13 @@ def _attend_chunk(
         pos = keys[:, None] - length[:, None] + qi  # absolute position of each query
         # keys past the step's last query are causally invisible to all of it: never read
         k_end = max(c - nq + min(r1, nq) for c, nq in zip(ctx, q_lens, strict=True))
-        if k_end <= key_step:  # one slice: the fused kernel, GQA by head index, additive mask
-            k, v = _gather_kv(k_cache, v_cache, tables, keys, 0, k_end, ct)
-            hidden = torch.arange(k.shape[2], device=dev)[None, None, :] > pos[:, :, None]
+        # with a window, keys before the step's first query's window are invisible to all of it
+        k_start = 0
+        if window:
+            k_start = max(0, min(c - nq + min(r0, nq - 1) for c, nq in zip(ctx, q_lens)) - window + 1) // bs * bs
+        if k_end - k_start <= key_step and not softcap:  # one slice: the fused kernel, GQA by head, additive mask
+            k, v = _gather_kv(k_cache, v_cache, tables, keys, k_start, k_end, ct)
+            hidden = _hidden(torch.arange(k_start, k_start + k.shape[2], device=dev), pos, window)
             mask = torch.zeros(hidden.shape, dtype=ct, device=dev).masked_fill_(hidden, float("-inf"))
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[q_idx].to(ct).transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
@@ -109,13 +122,18 @@ def _attend_chunk(
             continue
         qh = q[q_idx].to(ct).mul(scale).view(n, r, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(n, Hkv, r * G, D)
         m_i = l_i = None
-        for k0 in range(0, k_end, key_step):
+        for k0 in range(k_start, k_end, key_step):
             k, v = _gather_kv(k_cache, v_cache, tables, keys, k0, min(k_end, k0 + key_step), ct)
-            hidden = torch.arange(k0, k0 + k.shape[2], device=dev)[None, None, :] > pos[:, :, None]
+            hidden = _hidden(torch.arange(k0, k0 + k.shape[2], device=dev), pos, window)
             s = torch.matmul(qh, k.transpose(2, 3))  # [n, Hkv, r*G, slice]
+            if softcap:
+                s = torch.tanh(s / softcap).mul_(softcap)
             s.view(n, Hkv, r, G, -1).masked_fill_(hidden[:, None, :, None, :], float("-inf"))
             # online softmax; the first slice holds key 0 for every row, so m_i is finite after it
+            # (with a window a row may see nothing in it: its max is taken as 0 until it does)
             m_new = s.amax(-1) if m_i is None else torch.maximum(m_i, s.amax(-1))
+            if window:
+                m_new = m_new.masked_fill(m_new == float("-inf"), 0.0)
             p = torch.exp(s - m_new[..., None])
             if m_i is None:
                 l_i, acc = p.sum(-1), torch.matmul(p, v)
@@ -126,6 +144,14 @@ def _attend_chunk(
             m_i = m_new
         o = acc / l_i[..., None]  # [n, Hkv, r*G, D]
         out[q_idx] = o.view(n, Hkv, r, G, D).permute(0, 2, 1, 3, 4).reshape(n, r, Hq, D).to(out.dtype)
+
+
+def _hidden(key_pos: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[n, r, keys] True where a key is invisible to a query: in its future, or (window) out of it."""
+    hidden = key_pos[None, None, :] > pos[:, :, None]
+    if window:
+        hidden |= key_pos[None, None, :] <= pos[:, :, None] - window
+    return hidden
 
 
 def _gather_kv(

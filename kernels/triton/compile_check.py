@@ -40,7 +40,7 @@ def compile_kernel(kernel, ptr_types: dict[str, str], meta: dict, arch: int) -> 
         if name.endswith("_ptr"):
             signature[name] = ptr_types[name]
         else:
-            signature[name] = "fp32" if name.startswith("scale") else "i32"
+            signature[name] = "fp32" if name.startswith(("scale", "softcap")) else "i32"
         if name.endswith("_ptr") or (name.startswith("stride") and meta.get("D", 16) % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher specialises for aligned tensors
     src = ASTSource(kernel, signature, constexprs=meta, attrs=attrs)
@@ -84,6 +84,13 @@ def variants(quick: bool):
         yield f"prefill {_TL[dtype]} d={d} G={g}", triton_prefill._prefill_kernel, types, meta
         meta |= {"num_seqs": 1}
         yield f"prefill {_TL[dtype]} d={d} G={g} one sequence", triton_prefill._prefill_kernel, types, meta
+        # Gemma's layers: a sliding window and soft-capped scores
+        meta = triton_decode.stage1_meta(g, d, 16, True, dtype, window=True, softcap=True)
+        yield f"decode {_TL[dtype]} d={d} G={g} window softcap", triton_decode._decode_stage1, types, meta
+        meta = triton_decode.merge_meta(d, 4, meta["BLOCK_N"], has_window=True)
+        yield f"merge {_TL[dtype]} d={d} window", triton_decode._decode_merge, types, meta
+        meta = triton_prefill.prefill_meta(g, d, 16, dtype, window=True, softcap=True)
+        yield f"prefill {_TL[dtype]} d={d} G={g} window softcap", triton_prefill._prefill_kernel, types, meta
     for dtype in DTYPES.values():
         types = {p: "*" + _TL[dtype] for p in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
         meta = triton_cache.write_kv_meta(8, 128, 16)

@@ -39,9 +39,10 @@ def _prefill_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_btb,
     stride_ot, stride_oh,
-    scale_log2,
+    scale_log2, window, softcap_log2,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -69,20 +70,26 @@ def _prefill_kernel(
     # keys past the tile's last query are causally invisible to the whole tile: never loaded;
     # padding rows (offs_m >= q_len) see keys up to kv_end only, so no row is all -inf
     kv_end = tl.minimum(ctx - q_len + m0 + BLOCK_M, ctx)
+    kv_start = ctx * 0
+    if HAS_WINDOW:  # keys before the tile's first query's window are invisible to the whole tile
+        kv_start = tl.maximum(ctx - q_len + m0 - window + 1, 0)
     acc, _, l_i = attend_kv_tiles(
         q, bt_row, k_ptr, v_ptr, kvh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
-        0, kv_end, pos, scale_log2,
-        BLOCK_M, D, BS, BLOCK_N, BLOCK_D, True, PRECISION,
+        kv_start, kv_end, pos, scale_log2, window, softcap_log2,
+        BLOCK_M, D, BS, BLOCK_N, BLOCK_D, True, PRECISION, HAS_WINDOW, HAS_SOFTCAP,
     )  # fmt: skip
 
+    if HAS_WINDOW:  # a padding row past the context may see no key at all: not stored, but no 0 / 0
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def prefill_meta(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+def prefill_meta(group: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                 window: bool = False, softcap: bool = False) -> dict:
     """Constexprs and launch options. Tiles shrink as head_dim grows so that the kernel compiles
     without register spills on sm_80 / sm_90 (see kernels.triton.compile_check); fp32 (no tensor cores,
     IEEE dots) gets smaller tiles still."""
@@ -96,6 +103,7 @@ def prefill_meta(group: int, head_dim: int, block_size: int, dtype: torch.dtype)
         G=group, D=head_dim, BS=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION="ieee" if dtype == torch.float32 else "tf32",  # no silent tf32 for fp32 inputs
+        HAS_WINDOW=window, HAS_SOFTCAP=softcap,
         num_warps=warps, num_stages=2,
     )  # fmt: skip
 
@@ -108,7 +116,10 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
+    """window: a query at position p sees keys > p - window only; softcap: scores = tanh(s / cap) * cap."""
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     assert Hq % Hkv == 0 and D <= 256, (Hq, Hkv, D)
@@ -117,7 +128,7 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     if T == 0 or B == 0:
         return out
-    meta = prefill_meta(Hq // Hkv, D, bs, q.dtype)
+    meta = prefill_meta(Hq // Hkv, D, bs, q.dtype, bool(window), bool(softcap))
     # T // BLOCK_M + B bounds the tile count of any split of T tokens into B sequences
     grid = (T // meta["BLOCK_M"] + B, Hq)
     _prefill_kernel[grid](
@@ -129,6 +140,7 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         scale * 1.4426950408889634,  # log2(e): softmax in base 2
+        window or 0, (softcap or 0.0) * 1.4426950408889634,
         **meta,
     )  # fmt: skip
     return out

@@ -17,12 +17,15 @@ def attend_kv_tiles(
     q, bt_row, k_ptr, v_ptr, kvh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    start, end, pos, scale_log2,
+    start, end, pos, scale_log2, window, softcap_log2,
     ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """q: [ROWS, BLOCK_D] query rows of KV head kvh, zero past D; bt_row: the sequence's block
-    table row. CAUSAL: row r sees keys up to pos[r] only (pos is ignored otherwise). Returns
+    table row. CAUSAL: row r sees keys up to pos[r] only (pos is ignored otherwise), and with
+    HAS_WINDOW only keys > pos[r] - window. HAS_SOFTCAP: scores become tanh(s / cap) * cap
+    (softcap_log2 = cap * log2(e), the cap in the log2 domain). Returns
     (acc, m_i, l_i): the unnormalised output [ROWS, BLOCK_D] fp32, and each row's running max and
     sum in the log2 domain (an empty range leaves m_i at -inf and l_i at 0)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -42,11 +45,18 @@ def attend_kv_tiles(
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [ROWS, N], log2 domain
+        if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1): saturates to +-1 without overflow
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp2(s * (2.8853900817779268 / softcap_log2)) + 1.0))
         if CAUSAL:
-            s = tl.where(mask_n[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
+            visible = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (offs_n[None, :] > pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         else:
             s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if HAS_WINDOW:  # a row may see no key of this tile yet: keep its max finite (no -inf - -inf)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = tl.load(

@@ -22,6 +22,14 @@ def main(argv: list[str]) -> int:
         from rosechat.bench import structured
 
         return structured.main(argv[1:])
+    if argv[:1] == ["spec"]:  # speculative decoding against plain, one chat at a time, llama.cpp beside (spec.py)
+        from rosechat.bench import spec
+
+        return spec.main(argv[1:])
+    if argv[:1] == ["scale"]:  # rosechat and llama.cpp on a random GGUF of a real model's shape (scale.py)
+        from rosechat.bench import scale
+
+        return scale.main(argv[1:])
     return cli.main(argv)
 
 

@@ -379,7 +379,10 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                 "num_running": snap.num_running, "num_waiting": snap.num_waiting,
                 "prefix_cache_queries": snap.prefix_cache_queries, "prefix_cache_hits": snap.prefix_cache_hits,
                 "hit_rate": snap.hit_rate, "cow_copies": snap.cow_copies, "preemptions": snap.preemptions,
-                "tokens_per_s": snap.tokens_per_s, "constrained": list(snap.constrained)}
+                "tokens_per_s": snap.tokens_per_s, "constrained": list(snap.constrained),
+                "spec_drafts": snap.spec_drafts, "spec_draft_tokens": snap.spec_draft_tokens,
+                "spec_accepted_tokens": snap.spec_accepted_tokens,
+                "spec_accepted_per_pos": list(snap.spec_accepted_per_pos)}
 
     app.add_middleware(Guard, api_key=s.api_key, max_body_bytes=s.max_body_bytes)
     return app

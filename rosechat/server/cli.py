@@ -99,7 +99,7 @@ def serve(config: Config, args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down cleanly
         pass
-    if failed:
-        return 1
+    if failed:  # the model did not load (said above): the exit status of a model refused before the start
+        return 2
     print("rosechat serve: stopped", file=sys.stderr)
     return 0

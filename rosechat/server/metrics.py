@@ -48,6 +48,15 @@ class _SnapshotCollector(Collector):
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Preemptions of running sequences.", s.preemptions)
+        yield counter("vllm:spec_decode_num_drafts", "Speculative checks that had guesses.", s.spec_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Speculative tokens guessed.", s.spec_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative tokens kept.", s.spec_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative tokens kept, by position among the guesses.",
+                                      labels=["model_name", "position"])
+        for position, kept in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([*labels, str(position)], kept)
+        yield per_pos
 
 
 class ServerMetrics:

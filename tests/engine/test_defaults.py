@@ -115,3 +115,18 @@ def test_every_entry_point_takes_the_same_defaults(tiny_llama, monkeypatch) -> N
     engine = LLMEngine(bf16, EngineConfig(num_blocks=8))  # the config said float32 (auto)
     assert engine.runner.k_cache.dtype == torch.bfloat16 and engine.info.dtype == "bfloat16"
     assert engine.info.reason
+
+
+def test_the_default_cpu_pool_holds_a_useful_context(monkeypatch) -> None:
+    """256 MiB, or 4,096 tokens where a big model's tokens take more, within a quarter of available memory."""
+    from engine.config import EngineConfig
+
+    config = EngineConfig(device="cpu", block_size=16)
+    small, big = 16 * 46_080, 16 * 393_216  # bytes per block: SmolLM2-135M's and 1.7B's fp32 K and V
+    monkeypatch.setenv("ROSECHAT_MEMORY_LIMIT", str(64 << 30))
+    assert config.resolve_num_blocks(small) == (256 << 20) // small  # 5,825 tokens: the floor is plenty
+    assert config.resolve_num_blocks(big) * 16 == 4096  # 1.5 GiB: 4,096 tokens
+    monkeypatch.setenv("ROSECHAT_MEMORY_LIMIT", str(2 << 30))
+    assert config.resolve_num_blocks(big) == (512 << 20) // big  # a quarter of 2 GiB
+    monkeypatch.setenv("ROSECHAT_MEMORY_LIMIT", str(512 << 20))
+    assert config.resolve_num_blocks(big) == (256 << 20) // big  # never below the floor

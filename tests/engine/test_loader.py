@@ -186,9 +186,13 @@ def test_eos_ids_from_generation_config_and_config(tmp_path, tiny_llama):
 
 def test_max_model_len(tiny_llama, tiny_model_factory):
     assert load_model(str(tiny_llama)).max_model_len == 256
-    # the kernels attend to the full context: a sliding-window model is capped at its window
-    mistral = tiny_model_factory("mistral", max_position_embeddings=256, sliding_window=96)
-    assert load_model(str(mistral)).max_model_len == 96
+    # the kernels attend a sliding window exactly: a sliding-window model keeps its whole context,
+    # and every Mistral layer slides (Qwen2 only with use_sliding_window)
+    mistral = load_model(str(tiny_model_factory("mistral", max_position_embeddings=256, sliding_window=96)))
+    assert mistral.max_model_len == 256
+    assert [a.window for a in mistral.model.attention_layers()] == [96, 96]
+    qwen2 = load_model(str(tiny_model_factory("qwen2", sliding_window=96)))
+    assert [a.window for a in qwen2.model.attention_layers()] == [None, None]
 
 
 def test_tokenizer_and_chat_template_load(tiny_llama):

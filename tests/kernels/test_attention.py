@@ -34,6 +34,8 @@ class Case:
     cu_seqlens_q: torch.Tensor
     q_lens: list[int]
     scale: float
+    window: int | None = None  # sliding window: a query at p sees keys > p - window
+    softcap: float | None = None  # scores = tanh(s / softcap) * softcap
 
 
 def make_case(
@@ -98,8 +100,12 @@ def dense_attention(case: Case) -> torch.Tensor:
         k = k_cache[blocks, pos % bs][:, kv_head]  # [c, Hq, D]
         v = v_cache[blocks, pos % bs][:, kv_head]
         s = torch.einsum("qhd,khd->hqk", q[start : start + n], k) * case.scale
+        if case.softcap:
+            s = torch.tanh(s / case.softcap) * case.softcap
         q_pos = torch.arange(c - n, c)
         s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if case.window:
+            s = s.masked_fill(pos[None, None, :] <= q_pos[None, :, None] - case.window, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v))
         start += n
     return torch.cat(outs)
@@ -117,7 +123,8 @@ def check(out: torch.Tensor, case: Case, label: str) -> float:
 
 def run_decode(case: Case, backend: str) -> torch.Tensor:
     return paged_decode_attention(
-        case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale, backend=backend
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale, backend=backend,
+        window=case.window, softcap=case.softcap,
     )
 
 
@@ -131,6 +138,8 @@ def run_prefill(case: Case, backend: str) -> torch.Tensor:
         case.context_lens,
         case.scale,
         backend=backend,
+        window=case.window,
+        softcap=case.softcap,
     )
 
 
@@ -401,3 +410,4 @@ def test_the_pytorch_path_never_calls_our_cpp() -> None:
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             assert not any(n.startswith(("kernels.cpu", "kernels.triton")) for n in names), (module.name, names)
+

@@ -79,6 +79,13 @@ for rows in (1, 2, 3, 4, 7, 8, 9, 17):  # every tile shape: x rows in 8s, 4s, 2s
         out[f"q4 {rows} {k} {n}"] = cpu_ops.q4_linear(x, cpu_ops.pack_q4(nib), cpu_ops.pack_scales(d),
                                                       cpu_ops.pack_scales(m))
         out[f"q8 {rows} {k} {n}"] = cpu_ops.q8_linear(x, cpu_ops.pack_q8(q8), cpu_ops.pack_scales(d))
+        out[f"q8m {rows} {k} {n}"] = cpu_ops.q8m_linear(x, cpu_ops.pack_q8(q8), cpu_ops.pack_scales(d),
+                                                        cpu_ops.pack_scales(m))
+        if k % 256 == 0:  # q6: Q6_K's super-blocks, with and without offsets
+            sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen)
+            q6 = (cpu_ops.pack_q8(q8 // 4), cpu_ops.pack_scales(d[:, : k // 256]), cpu_ops.pack_sub_scales(sc))
+            out[f"q6 {rows} {k} {n}"] = cpu_ops.q6_linear(x, *q6)
+            out[f"q6m {rows} {k} {n}"] = cpu_ops.q6_linear(x, *q6, cpu_ops.pack_scales(m))
 torch.save(out, sys.argv[1])
 """
 
@@ -120,7 +127,8 @@ def test_the_kernel_tests_pass_on_every_isa_variant(isa: str) -> None:
     kernel tests run again here, forced onto each other variant this CPU can run."""
     _skip_unless_runnable(isa)
     env = {**os.environ, "ROSECHAT_CPU_ISA": isa}
-    tests = [str(ROOT / "tests/kernels" / f) for f in ("test_cpu_quant.py", "test_cpu_layers.py")]
+    tests = [str(ROOT / "tests/kernels" / f) for f in ("test_cpu_quant.py", "test_cpu_quant_k.py",
+                                                                 "test_cpu_layers.py")]
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *tests],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]

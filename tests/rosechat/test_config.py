@@ -175,3 +175,18 @@ def test_exports_go_to_a_documented_folder_never_the_current_directory(tmp_path:
     assert c.export_path() == tmp_path / "Documents" / "rosechat"
     c = load_config(overrides={"history.export_dir": "~/exports"}, user_file=None)
     assert c.export_path() == Path("~/exports").expanduser()
+
+
+def test_speculative_config_is_checked_and_reaches_the_engine(tmp_path: Path) -> None:
+    path = tmp_path / "spec.toml"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    path.write_text(f'[model]\nname = "demo"\nspeculative_config = \'{spec}\'\n')
+    assert load_config(path, user_file=None).engine_kwargs()["speculative_config"] == spec
+    assert load_config(user_file=None).engine_kwargs()["speculative_config"] is None  # "" (the default): off
+    path.write_text('[model]\n\nspeculative_config = \'{"method": "medusa"}\'\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(path, user_file=None)
+    assert (e.value.key, e.value.line) == ("model.speculative_config", 3)
+    assert "'medusa' is not supported" in str(e.value)
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(overrides={"model.speculative_config": '{"tokens": 3}'}, user_file=None)

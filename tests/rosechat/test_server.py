@@ -465,3 +465,27 @@ def test_max_completion_tokens_and_ignore_eos(server: BackgroundServer) -> None:
     r = client(server).chat.completions.create(model="demo", messages=chat("short"), max_completion_tokens=3,
                                                temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_speculation_counters_reach_metrics_and_the_kv_map() -> None:
+    """vLLM's spec-decode counters; the proposer here always guesses two tokens, so every decode step checks some."""
+    llm = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=128, block_size=16,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    llm.scheduler.proposer.propose = lambda ids, k: [ids[-1]] * k
+    server = start_background(create_app(llm, ServerSettings(model_name="demo")))
+    try:
+        r = client(server).chat.completions.create(model="demo", messages=chat("count me"), max_tokens=12,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 12
+        m, lab = metric_samples(server), (("model_name", "demo"),)
+        drafts = m[("vllm:spec_decode_num_drafts_total", lab)]
+        guessed = m[("vllm:spec_decode_num_draft_tokens_total", lab)]
+        kept = m[("vllm:spec_decode_num_accepted_tokens_total", lab)]
+        assert drafts > 0 and 0 < guessed <= 2 * drafts and 0 <= kept <= guessed
+        per_pos = [m[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*lab, ("position", str(i))))]
+                   for i in range(2)]
+        assert sum(per_pos) == kept and per_pos[0] >= per_pos[1]
+        snap = kv(server)
+        assert (snap["spec_drafts"], snap["spec_draft_tokens"], snap["spec_accepted_tokens"]) == (drafts, guessed, kept)
+    finally:
+        server.stop()

@@ -1,0 +1,139 @@
+"""Speculative decoding: guess a sequence's next tokens cheaply, let the model check them all in one step.
+
+A proposer guesses up to k tokens; the scheduler appends them to the sequence and schedules its last token
+and the guesses together. Each of those tokens is a decode row of its own over the sequence's blocks
+(model_runner.prepare), so the step computes exactly the logits that k + 1 plain decode steps would, and
+samples each row as a plain step would. The guesses are kept while they equal what was sampled, plus the
+first sampled token that differs (or the one after the last guess): greedy output is identical to plain
+decoding, and a sampled one has exactly the model's distribution (a guess is a fixed token: a row's draw
+equals it with the model's probability, and a draw that differs is the model's own draw given that it
+differs, which is the rejection-sampling rule for a one-token proposal). The KV of rejected guesses is
+forgotten (BlockManager.rollback) before any prefix-cache hash is published.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys: {"method": "ngram", "num_speculative_tokens": 4, ...}."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: guesses per step at most
+    prompt_lookup_max: int = 4  # the longest suffix of the sequence matched earlier in it (n-gram)
+    prompt_lookup_min: int = 2  # the shortest
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict, a JSON string (the CLI's), or None / "" / {} (off). Raises ValueError, naming the key."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        if not value:
+            return None
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        config = cls(**value)
+        if config.method not in METHODS:
+            raise ValueError(f"speculative_config: method {config.method!r} is not supported; supported: "
+                             f"{', '.join(METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {getattr(config, name)!r}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
+        return config
+
+
+class NgramProposer:
+    """Prompt lookup (llama.cpp's --lookup, vLLM's "ngram"): the tokens that followed the latest earlier
+    occurrence of the sequence's last n tokens, for the longest n that occurs; nothing when none does.
+    Pays where text repeats: editing pasted text or code, answering from a document."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        size = len(tokens)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            suffix = tokens[size - n :]
+            # earlier starts of the suffix that have a token after them (not the suffix itself)
+            starts = np.flatnonzero(tokens[: size - n] == suffix[0])
+            if n > 1 and len(starts):
+                windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
+                starts = starts[(windows[starts] == suffix).all(axis=1)]
+            if len(starts):
+                start = int(starts[-1]) + n  # the latest match: the most recent context is the likeliest
+                return tokens[start : start + k].tolist()
+        return []
+
+
+# Adaptive: each sequence keeps a running rate of its guesses that stood. Guesses shrink with it, and below
+# MIN_RATE the sequence stops guessing for PAUSE_STEPS steps (a check's extra rows cost time on a CPU, where
+# the weights are not the only cost), then tries again: free text rarely repeats, edited text does in runs.
+MIN_RATE, PAUSE_STEPS, RATE_WEIGHT = 0.25, 16, 0.3
+
+
+@dataclass
+class SpecState:
+    """One sequence's speculation record."""
+
+    rate: float = 1.0  # running share of its guesses that stood (optimistic at first)
+    paused: int = 0  # steps left without guessing
+
+    def budget(self, k: int) -> int:
+        """Guesses to ask for now (0: paused)."""
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return max(1, round(k * self.rate))
+
+    def record(self, guessed: int, kept: int) -> None:
+        self.rate += RATE_WEIGHT * (kept / guessed - self.rate)
+        if self.rate < MIN_RATE:
+            self.rate, self.paused = 0.5, PAUSE_STEPS
+
+
+def accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many guesses stand: the leading ones equal to the tokens sampled at their positions."""
+    count = 0
+    while count < len(drafts) and sampled[count] == drafts[count]:
+        count += 1
+    return count
+
+
+def generator_states(seqs: list[Any]) -> dict[int, Any]:
+    """The seeded random streams of speculative sequences before their rows draw (seq_id -> state)."""
+    return {s.seq_id: s.generator.get_state() for s in seqs if s.num_draft_tokens and s.generator is not None}
+
+
+def rewind(generator: Any, state: Any, draws: int) -> None:
+    """Leave a seeded stream as `draws` plain steps would: one draw per token that stood, not per row, so a
+    seed gives the same tokens with and without speculation (the sampler draws a row's uniform this way)."""
+    import torch  # here: the config check imports this module, and a CLI's start need not load torch
+
+    generator.set_state(state)
+    for _ in range(draws):
+        torch.empty(1, dtype=torch.float64, device=generator.device).uniform_(generator=generator)
+
+
+__all__ = ["METHODS", "NgramProposer", "SpecState", "SpeculativeConfig", "accepted", "generator_states", "rewind"]

@@ -1,0 +1,82 @@
+"""The 6-bit format: GGUF's Q6_K blocks, kept exactly for our CPU kernels (quant_k.cpp's q6; routes.py
+picks the route). A Q6_K super-block (256 weights, 210 bytes: 4 low bits ql [128], 2 high bits qh [64],
+int8 scales sc [16], fp16 d) is `w = (d * sc_j) * (q - 32)` per 16 weights. Kept as int8 values q - 32,
+the int8 sc per 16 and d per 256 (fp32): 8.6 bits a weight (the file's 6.6); the kernel forms d * sc
+(exact in fp32) at run time.
+
+The same form with an offset m per block of 32 holds Q4_K's and Q5_K's sub-blocks exactly too
+(sc the 6-bit scale for both halves, d the super-block's, m = -dmin * mn): a merged qkv whose v is
+Q6_K and q, k Q4_K (the commonest mix in Q4_K_M files) stays exact (`q6_from_shards`), 9.6 bits a weight.
+On CUDA (Triton) and torch's CPU kernels Q6_K is requantized as before (q8.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engine.weights.blocks import SUPER, BlockShards, GGUFBlocks, block_tensor, f16_field, k_scale_min
+from engine.weights.packed import BlockWeight
+from engine.weights.q4 import _q4_k
+from engine.weights.q5 import _q5_k
+from kernels.cpu import ops as cpu_ops
+
+K_EXACT = ("Q4_K", "Q5_K", "Q6_K")  # the types this form holds exactly
+
+Parts = tuple[Tensor, Tensor, Tensor, Tensor | None]  # q int8 [out, in], d [out, in/256], sc int8 [out, in/16], m
+
+
+def q6_from_blocks(blocks: GGUFBlocks) -> Parts | None:
+    """Q6_K, Q4_K or Q5_K -> (int8 q, d float32 per 256, int8 sc per 16, m float32 per 32 or None for
+    Q6_K), `w = (d * sc) * q + m`, exact; None for other types."""
+    out_f, in_f = blocks.shape
+    if blocks.type_name not in K_EXACT:
+        return None
+    data = block_tensor(blocks, SUPER)
+    if blocks.type_name == "Q6_K":
+        ql = data[..., 0:128].reshape(out_f, -1, 2, 1, 64)  # two halves of 128 weights
+        low = torch.cat((ql & 0x0F, ql >> 4), dim=-2).reshape(out_f, -1, 8, 32)  # as gguf's dequantizer
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        high = ((data[..., 128:192].reshape(out_f, -1, 2, 1, 32) >> shifts) & 3).reshape(out_f, -1, 8, 32)
+        q = (low | (high << 4)).to(torch.int8) - 32
+        sc = data[..., 192:208].contiguous().view(torch.int8)
+        return q.reshape(out_f, in_f), f16_field(data, 208), sc.reshape(out_f, -1), None
+    d, dmin = f16_field(data, 0), f16_field(data, 2)
+    sc, mn = k_scale_min(data)
+    q = _q4_k(data, out_f, in_f)[0] if blocks.type_name == "Q4_K" else _q5_k(data)[0]
+    sub = sc.to(torch.int8).repeat_interleave(2, dim=-1)  # both halves of a sub-block: one scale (<= 63)
+    return q.reshape(out_f, in_f).to(torch.int8), d, sub.reshape(out_f, -1), (-dmin[..., None] * mn).reshape(out_f, -1)
+
+
+def q6_from_shards(shards: BlockShards) -> Parts | None:
+    """Row shards of K-quant types, stacked (Q4_K q and k, Q6_K v); None if one is not a K-quant."""
+    if not shards.type_names <= set(K_EXACT):
+        return None
+    parts = [q6_from_blocks(p) for p in shards.parts]
+    q, d, sc = (torch.cat([p[i] for p in parts]) for i in range(3))
+    if all(p[3] is None for p in parts):
+        return q, d, sc, None
+    m = torch.cat([p[3] if p[3] is not None else p[1].new_zeros(p[0].shape[0], p[0].shape[1] // 32) for p in parts])
+    return q, d, sc, m
+
+
+class Q6Weight(BlockWeight):
+    """int8 values with an int8 scale per 16 weights times a scale per 256, and an optional offset per
+    block of 32: w = (d * sc) * q + m (quant_k.cpp's q6). Kept in the kernel's order (cpu_ops.pack_q8,
+    pack_scales, pack_sub_scales)."""
+
+    mode = "int8"
+
+    def __init__(self, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None) -> None:
+        self.shape = tuple(qs.shape)
+        self.qs, self.d, self.sc = cpu_ops.pack_q8(qs), cpu_ops.pack_scales(d), cpu_ops.pack_sub_scales(sc)
+        self.m = None if m is None else cpu_ops.pack_scales(m)
+
+    def _matmul(self, x: Tensor) -> Tensor:
+        return cpu_ops.q6_linear(x, self.qs, self.d, self.sc, self.m)
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        return cpu_ops.q6_rows(self.qs, self.d, self.sc, self.m, ids).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + self.sc.nbytes + (0 if self.m is None else self.m.nbytes)

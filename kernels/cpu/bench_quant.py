@@ -1,0 +1,74 @@
+"""Our CPU quantized linears side by side, same shapes, same run: ``python -m kernels.cpu.bench_quant``.
+
+q8 (GGUF Q8_0, Q5_0), q8m (Q5_1, Q5_K), q6 (Q6_K; +m: Q4_K / Q5_K rows beside Q6_K ones) and q4
+(Q4_0, Q4_1, Q4_K) on random weights: the best of a few interleaved rounds of median call times (other
+load on the machine hits every format alike), bits a weight, and weight bytes streamed per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels.cpu import ops
+
+
+def _weights(n: int, k: int, gen: torch.Generator) -> dict[str, tuple[Callable, tuple[torch.Tensor, ...]]]:
+    def ints(lo: int, hi: int, shape: tuple[int, int]) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, dtype=torch.int8, generator=gen)
+
+    d = ops.pack_scales(torch.rand(n, k // 32, generator=gen))
+    m = ops.pack_scales(torch.rand(n, k // 32, generator=gen))
+    q6 = (ops.pack_q8(ints(-32, 32, (n, k))), ops.pack_scales(torch.rand(n, k // 256, generator=gen)),
+          ops.pack_sub_scales(ints(-128, 128, (n, k // 16))))
+    nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    return {"q8 (Q8_0, Q5_0)": (ops.q8_linear, (ops.pack_q8(ints(-127, 128, (n, k))), d)),
+            "q8m (Q5_1, Q5_K)": (ops.q8m_linear, (ops.pack_q8(ints(0, 32, (n, k))), d, m)),
+            "q6 (Q6_K)": (ops.q6_linear, q6),
+            "q6+m (K-quant mix)": (ops.q6_linear, (*q6, m)),
+            "q4 (Q4_x)": (ops.q4_linear, (ops.pack_q4(nibbles), d, m))}
+
+
+def _median_s(fn: Callable, args: tuple[torch.Tensor, ...], x: torch.Tensor, reps: int) -> float:
+    fn(x, *args)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(x, *args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", default="2048x2048,8192x2048", help="N x K of the weights (K: multiples of 256)")
+    parser.add_argument("--rows", default="1,32", help="rows of x: 1 a decode step, more a prefill chunk")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if not ops.available():
+        raise SystemExit(f"our CPU kernels are unavailable: {ops.unavailable_reason()}")
+    gen = torch.Generator().manual_seed(0)
+    print(ops.build_status())
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for n, k in (tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")):
+            weights = _weights(n, k, gen)
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, k, generator=gen)
+                best = dict.fromkeys(weights, float("inf"))
+                for _ in range(args.rounds):  # interleaved: a burst of other load hits every format alike
+                    for name, (fn, w) in weights.items():
+                        best[name] = min(best[name], _median_s(fn, w, x, 60 if rows == 1 else 12))
+                for name, (_, w) in weights.items():
+                    nbytes, t = sum(a.nbytes for a in w), best[name]
+                    print(f"threads {threads}  {n}x{k}  rows {rows:3d}  {name:20s} {t * 1e3:8.3f} ms  "
+                          f"{nbytes * 8 / (n * k):5.2f} bits/weight  {nbytes / t / 1e9:6.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

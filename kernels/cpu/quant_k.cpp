@@ -1,0 +1,141 @@
+// GGUF's 5- and 6-bit blocks multiplied from their own values, exactly (quant.cpp's q8 layout, int8):
+//
+//   q8m: w = q * d + m per block of 32, q in 0..31: Q5_1, and Q5_K's 32-weight sub-blocks
+//        (d = d_super * sc, m = -dmin_super * mn, both exact in float32). The offset term is q4's:
+//        m times the block's sum of x.
+//   q6:  w = (d * sc) * q (+ m) per half block (16 weights), q int8, sc int8, d one per 256 weights, m
+//        (optional) one per 32: Q6_K (q in -32..31, no m), and any mix of Q4_K, Q5_K and Q6_K rows (a
+//        merged qkv whose v is Q6_K: Q4_K's and Q5_K's sub-blocks have one sc for both halves and
+//        m = -dmin * mn). sc stays int8 and d * sc is formed at run time (exact in float32: 11 x 8
+//        significant bits): 8.6 bits a weight where a float scale per 16 took 10. Each half's integer
+//        sum is scaled apart (kParts = 2): twice the folds and FMAs of q8.
+//
+// Q5_0 ((q - 16) * d) is plain q8. The AVX-512 variant differs only where quant.h's block_dot does
+// (VNNI, q8m); q6's half sums are single multiply-adds in both.
+#include <torch/library.h>
+
+#include "quant.h"
+
+namespace {
+
+using namespace rosechat::quant;
+
+struct Q8M : Q8 {
+  const float* m;
+  static constexpr bool kOffset = true;
+};
+
+// sc int8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales): a group's 8 rows' scales of block b's first
+// half, then of its second; d float32 [ceil(N/8), K/256, 8] (cpu_ops.pack_scales of [N, K/256])
+struct Q6 : Q8 {
+  const int8_t* sc;
+  template <int R>
+  __m256 scale(int64_t o, int64_t b, int part, __m256i w_index) const {
+    const int64_t g = o / kLanes;
+    const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + ((g * nb + b) * 2 + part) * kLanes));
+    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(d + (g * (nb / 8) + b / 8) * kLanes),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));
+    if constexpr (R == kLanes) return s;
+    else return _mm256_permutevar8x32_ps(s, w_index);  // o's own lane (R = 1), or rows o..o+R
+  }
+  static constexpr int kParts = 2;
+};
+
+struct Q6M : Q6 {
+  const float* m;
+  static constexpr bool kOffset = true;
+};
+
+Q8M q8m_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  const Q8 w = q8_weight(qs, d);
+  check_scales(m, w.n, w.nb, "q8m offsets");
+  return Q8M{w, m.data_ptr<float>()};
+}
+
+Q6 q6_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
+  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.dim() == 2 && qs.size(1) % 256 == 0,
+              "q6 weight: int8 [N, K], K a multiple of 256");
+  const int64_t n = qs.size(0), nb = qs.size(1) / kBlock;
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
+                  d.size(1) == nb / 8 && d.size(2) == kLanes,
+              "q6 super-block scales: contiguous float32 [ceil(N/8), K/256, 8] (cpu_ops.pack_scales)");
+  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == (n + 7) / 8 &&
+                  sc.size(1) == nb && sc.size(2) == 2 && sc.size(3) == kLanes,
+              "q6 sub-scales: contiguous int8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales)");
+  TORCH_CHECK(qs.is_contiguous(), "q6 weight: contiguous (cpu_ops.pack_q8)");
+  const Q8 w{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, qs.size(1)}, d.data_ptr<float>(), nb};
+  return Q6{w, sc.data_ptr<int8_t>()};
+}
+
+at::Tensor q8m_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  const Q8M w = q8m_weight(qs, d, m);
+  check_x(x, w.nb * kBlock);
+  return blocked_linear(x, w);
+}
+
+// m empty: no offsets
+at::Tensor q6_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc,
+                     const at::Tensor& m) {
+  const Q6 w = q6_weight(qs, d, sc);
+  check_x(x, w.nb * kBlock);
+  if (m.numel() == 0) return blocked_linear(x, w);
+  check_scales(m, w.n, w.nb, "q6 offsets");
+  return blocked_linear(x, Q6M{w, m.data_ptr<float>()});
+}
+
+// Rows as gguf's dequantizer rounds them: q * d + m (a product, then a sum); (d * sc) * q (+ m)
+at::Tensor q8m_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {
+  const Q8M w = q8m_weight(qs, d, m);
+  const int64_t nb = w.nb;
+  return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
+    const uint8_t* row = w.row(r);
+    const int64_t stride = w.stride(r);
+    for (int64_t b = 0; b < nb; ++b, out += kBlock) {
+      const int8_t* block = reinterpret_cast<const int8_t*>(row + b * stride);  // byte 2j: j, 2j + 1: j + 16
+      const float db = scale_of(w.d, nb, r, b), mb = scale_of(w.m, nb, r, b);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = static_cast<float>(block[2 * j]) * db + mb;
+        out[j + 16] = static_cast<float>(block[2 * j + 1]) * db + mb;
+      }
+    }
+  });
+}
+
+at::Tensor q6_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc, const at::Tensor& m,
+                   const at::Tensor& ids) {
+  const Q6 w = q6_weight(qs, d, sc);
+  const int64_t nb = w.nb;
+  if (m.numel()) check_scales(m, w.n, nb, "q6 offsets");
+  const float* offsets = m.numel() ? m.data_ptr<float>() : nullptr;
+  return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
+    const uint8_t* row = w.row(r);
+    const int64_t stride = w.stride(r), g = r / kLanes, lane = r % kLanes;
+    for (int64_t b = 0; b < nb; ++b, out += kBlock) {
+      const int8_t* block = reinterpret_cast<const int8_t*>(row + b * stride);
+      const float super = w.d[(g * (nb / 8) + b / 8) * kLanes + lane];
+      const float lo = super * static_cast<float>(w.sc[((g * nb + b) * 2) * kLanes + lane]);
+      const float hi = super * static_cast<float>(w.sc[((g * nb + b) * 2 + 1) * kLanes + lane]);
+      if (offsets) {
+        const float mb = scale_of(offsets, nb, r, b);
+        for (int j = 0; j < 16; ++j) {
+          out[j] = lo * static_cast<float>(block[2 * j]) + mb;
+          out[j + 16] = hi * static_cast<float>(block[2 * j + 1]) + mb;
+        }
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          out[j] = lo * static_cast<float>(block[2 * j]);
+          out[j + 16] = hi * static_cast<float>(block[2 * j + 1]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rosechat_quant, lib) {
+  lib.def("q8m_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor", &q8m_linear);
+  lib.def("q6_linear(Tensor x, Tensor qs, Tensor d, Tensor sc, Tensor m) -> Tensor", &q6_linear);
+  lib.def("q8m_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor", &q8m_rows);
+  lib.def("q6_rows(Tensor qs, Tensor d, Tensor sc, Tensor m, Tensor ids) -> Tensor", &q6_rows);
+}

@@ -1,0 +1,176 @@
+"""Speculative decoding (prompt lookup): the same tokens as plain decoding, greedy or seeded, through the dense
+and the packed (one-call C++) decode paths; an unseeded draw has the plain one's distribution; the cache keeps
+only what stood (the prefix cache publishes the same blocks as plain decoding), under preemption and across
+turns of a conversation."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.spec_decode import PAUSE_STEPS, NgramProposer, SpecState, SpeculativeConfig, accepted
+from tests.helpers import make_tiny_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# prompts whose endings recur in them, so the proposer has something to guess
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8],
+    [20, 21, 22, 23, 20, 21, 22, 23, 20, 21],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 40, 41, 42],
+    [60, 61, 62, 63],
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("spec") / "m", "llama", seed=3))
+
+
+def _engine(path: str, spec: dict | None, **kw) -> LLMEngine:
+    kw.setdefault("num_blocks", 128)
+    return LLMEngine.from_pretrained(path, speculative_config=spec, block_size=4, **kw)
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        eng.block_manager.check_invariants()
+    assert all(done[i].error is None for i in ids)
+    return [[o.token_ids for o in done[i].outputs] for i in ids]
+
+
+def test_proposer_takes_the_longest_latest_match() -> None:
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1))
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # latest "1 2 3", not the first
+    assert p.propose([7, 1, 2, 8, 2], 3) == [8, 2]  # only "2" recurs: one token of context, what follows it
+    assert p.propose([1, 2, 3, 4], 3) == []  # nothing recurs
+    assert p.propose([5, 5, 5, 5], 2) == [5]  # overlapping matches: the latest has one token after it
+    assert NgramProposer(SpeculativeConfig(prompt_lookup_min=2)).propose([7, 1, 2, 8, 2], 3) == []
+
+
+def test_accepted_counts_the_leading_matches() -> None:
+    assert accepted([4, 5, 6], [4, 5, 9, 1]) == 2
+    assert accepted([4, 5, 6], [1, 5, 6, 1]) == 0
+    assert accepted([4, 5, 6], [4, 5, 6, 7]) == 3
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"method": "eagle"}', "not supported"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"k": 3}, "unknown key"),
+    ("{not json", "not JSON"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "must not exceed"),
+])  # fmt: skip
+def test_bad_config_is_refused_by_name(bad, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(bad)
+    assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse({}) is None
+    assert SpeculativeConfig.parse('{"num_speculative_tokens": 2}').num_speculative_tokens == 2
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_greedy_tokens_and_published_blocks_match_plain_decoding(model_dir: str, quantization: str) -> None:
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=33, temperature=0, repetition_penalty=1.1, repetition_window=64, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0, ignore_eos=True, stop_token_ids=[44]),
+        SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+    ]
+    plain, spec = _engine(model_dir, None, quantization=quantization), _engine(model_dir, NGRAM,
+                                                                                 quantization=quantization)
+    assert _run(spec, PROMPTS, params) == _run(plain, PROMPTS, params)
+    s = spec.scheduler
+    assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens, "both kept and rejected guesses are exercised"
+    # The prefix cache holds the same blocks: none with a rejected guess's KV under a hash.
+    assert set(spec.block_manager.hash_to_block) == set(plain.block_manager.hash_to_block)
+
+
+def test_seeded_samples_match_plain_decoding(model_dir: str) -> None:
+    params = [SamplingParams(max_tokens=30, temperature=0.3, top_k=3, top_p=0.9, seed=11 + i, n=1 + i % 2,
+                             ignore_eos=True) for i in range(len(PROMPTS))]  # fmt: skip
+    spec = _engine(model_dir, NGRAM)
+    assert _run(spec, PROMPTS, params) == _run(_engine(model_dir, None), PROMPTS, params)
+    assert spec.scheduler.spec_accepted_tokens > 0
+
+
+def test_unseeded_draws_have_the_plain_distribution(model_dir: str) -> None:
+    """Unseeded rows share torch's global stream, which speculation draws from differently: the tokens differ
+    run to run, their distribution must not. The guesses are the greedy continuation (often kept, often not, at
+    temperature 1, top-k 3); two-sample chi-square over the (2nd, 3rd) output tokens."""
+    prompt, count = PROMPTS[0], 400
+    greedy = _run(_engine(model_dir, None), [prompt], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)] * count
+    tallies = []
+    for spec in (None, NGRAM):
+        torch.manual_seed(0)
+        eng = _engine(model_dir, spec, num_blocks=400)
+        if spec:
+            eng.scheduler.proposer.propose = lambda ids, k: greedy[0][0][len(ids) - len(prompt) :][:k]
+        outs = _run(eng, [prompt] * count, params)
+        tallies.append(collections.Counter(tuple(o[0][1:]) for o in outs))
+    s = eng.scheduler
+    assert 30 < s.spec_accepted_tokens < s.spec_draft_tokens - 30  # many kept, many rejected
+    plain, spec_counts = tallies
+    cells = [c for c in set(plain) | set(spec_counts) if plain[c] + spec_counts[c] >= 10]
+    chi2 = sum((plain[c] - spec_counts[c]) ** 2 / (plain[c] + spec_counts[c]) for c in cells)
+    p_value = torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2), torch.tensor(chi2 / 2)).item()  # chi2 sf
+    assert len(cells) >= 4 and p_value > 1e-3, (plain, spec_counts)
+
+
+def test_preemption_and_conversation_turns_keep_the_plain_tokens(model_dir: str) -> None:
+    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)] * 6
+    prompts = [p + [70 + i] for i in range(2) for p in PROMPTS[:3]]
+    small = _engine(model_dir, NGRAM, num_blocks=40)  # 6 sequences of up to 64 tokens: some wait, some preempted
+    assert _run(small, prompts, params) == _run(_engine(model_dir, None), prompts, params)
+    assert small.scheduler.preemptions > 0 and small.scheduler.spec_accepted_tokens > 0
+
+    replies = []
+    for spec in (None, NGRAM):
+        eng, got = _engine(model_dir, spec), []
+        cid = eng.start_conversation()
+        history = list(PROMPTS[1])
+        for _ in range(3):  # each turn extends the parked sequence the last one left
+            rid = eng.submit_turn(cid, history, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            out = [o for o in _drain(eng) if o.request_id == rid][0]
+            got.append(out.outputs[0].token_ids)
+            history = history + out.outputs[0].token_ids + [20, 21]
+        replies.append(got)
+    assert replies[0] == replies[1]
+
+
+def _drain(eng: LLMEngine) -> list:
+    finished = []
+    while eng.has_unfinished_requests():
+        finished += [out for out in eng.step() if out.finished]
+        eng.block_manager.check_invariants()
+    return finished
+
+
+def test_a_sequence_whose_guesses_fail_pauses_then_tries_again() -> None:
+    state = SpecState()
+    assert state.budget(4) == 4
+    for _ in range(3):
+        state.record(4, 4)
+    assert state.budget(4) == 4
+    state.record(4, 1)
+    assert state.budget(4) == 3  # fewer guesses as fewer stand
+    while not state.paused:
+        state.record(4, 0)
+    assert [state.budget(4) for _ in range(PAUSE_STEPS)] == [0] * PAUSE_STEPS
+    assert state.budget(4) == 2  # back, at half the guesses
+
+
+def test_a_sliding_window_model_keeps_the_plain_tokens(tmp_path) -> None:
+    """Gemma 2's windowed layers attend each guess's own window (the rows' keys end at their positions)."""
+    path = str(make_tiny_model(tmp_path / "g", "gemma2", seed=1))
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 2
+    spec = _engine(path, NGRAM)
+    assert _run(spec, PROMPTS[:2], params) == _run(_engine(path, None), PROMPTS[:2], params)
+    assert spec.scheduler.spec_steps > 0
