@@ -12,6 +12,7 @@ loads are checked: on a GPU the weights go to device memory, which the engine si
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -56,13 +57,14 @@ def weight_bytes(gguf: Any, quantization: str, itemsize: int) -> int:
 
     if gguf.arch == "gpt2" and quantization == "auto":  # plan_packing keeps GPT-2 dense
         quantization = "none"
-    names = {t.name for t in gguf.reader.tensors}
+    tensors = gguf.header.tensors  # the header's list: gguf's full reader (its parsed vocabulary) stays closed
+    names = {t.name for t in tensors}
     total = 0
-    for t in gguf.reader.tensors:
-        n = int(t.n_elements)
+    for t in tensors:
+        n = math.prod(t.shape)
         matrix = len(t.shape) == 2 and (t.name != "token_embd.weight" or "output.weight" not in names)
-        mode = (auto_mode(t.tensor_type.name) if quantization == "auto" else quantization) if matrix else "none"
-        total += n * itemsize if mode == "none" else resident_bytes(t.tensor_type.name, n, mode)
+        mode = (auto_mode(t.type_name) if quantization == "auto" else quantization) if matrix else "none"
+        total += n * itemsize if mode == "none" else resident_bytes(t.type_name, n, mode)
     return total
 
 

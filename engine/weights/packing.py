@@ -10,6 +10,7 @@ which form each GGUF type keeps, and what it costs, is formats.py's table.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -201,7 +202,7 @@ def plan_packing(
     types: dict[str, dict[int, str]] = {}  # module -> shard -> source type
     raw: set[str] = set()
     hf_names = gguf._hf_names(net, config)
-    sizes = {hf_names[t.name]: int(t.n_elements) for t in gguf.reader.tensors if t.name in hf_names}
+    sizes = {hf_names[t.name]: math.prod(t.shape) for t in gguf.header.tensors if t.name in hf_names}
     weights: dict[str, int] = {}  # GGUF type -> weights packed, for the warning about types without a kernel
     for hf, type_name in gguf.tensor_types(net, config).items():
         target = net.weight_target(hf)
