@@ -26,11 +26,20 @@ from engine.models.layers import linear  # the models' linear op (the bench meas
 from engine.output_processor import CompletionOutput, RequestOutput
 from engine.sampler import apply_repetition_penalty  # HF's semantics (the bench's output check applies it too)
 from engine.sequence import SamplingParams, StructuredOutput
+from engine.spec_decode import SpeculativeConfig
 from engine.structured import GrammarError
 from engine.weights.gguf import GGUFError
 from engine.weights.loader import LoadedModel, load_model
+from engine.weights.memory import ModelTooLargeError, available_memory, check_source_fits
 from engine.weights.packing import matmul_weight_cost, packed_bytes
-from engine.weights.source import PACKAGED_MODELS, ModelNotFoundError, ModelSource, generation_defaults, resolve_model
+from engine.weights.source import (
+    PACKAGED_MODELS,
+    ModelNotFoundError,
+    ModelSource,
+    generation_defaults,
+    packaged_model_path,
+    resolve_model,
+)
 
 __all__ = [
     "CacheSnapshot",
@@ -48,15 +57,19 @@ __all__ = [
     "GrammarError",
     "ModelNotFoundError",
     "ModelSource",
+    "ModelTooLargeError",
     "PACKAGED_MODELS",
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "StepStats",
     "StructuredOutput",
     "TokenDelta",
     "TokenLogprob",
     "apply_repetition_penalty",
+    "available_memory",
+    "check_source_fits",
     "block_hash",
     "chain_root",
     "TurnPreempted",
@@ -68,6 +81,7 @@ __all__ = [
     "linear",
     "load_model",
     "matmul_weight_cost",
+    "packaged_model_path",
     "packed_bytes",
     "resolve_defaults",
     "resolve_model",

@@ -54,7 +54,7 @@ def _min(lo: float) -> dict[str, Any]:
 
 
 def _speculative(value: str) -> None:
-    from engine.spec_decode import SpeculativeConfig
+    from engine import SpeculativeConfig
 
     SpeculativeConfig.parse(value)  # ValueError naming what is wrong
 

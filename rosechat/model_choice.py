@@ -22,8 +22,7 @@ class ModelChoiceError(Exception):
 def choose_model(config: Config) -> tuple[ModelSource, str | None]:
     """(where the model is, a notice when the demo runs instead of the default). Checks the
     device and backend too, so nothing the engine would refuse reaches the UI."""
-    from engine import EngineConfig, ModelNotFoundError, resolve_model
-    from engine.weights.memory import check_source_fits
+    from engine import EngineConfig, ModelNotFoundError, check_source_fits, resolve_model
 
     name = config.model.name
     try:

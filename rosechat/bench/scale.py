@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine import available_memory
 from rosechat.bench.scale_child import LLAMA_CPP, ROSECHAT
 from rosechat.bench.scale_gguf import MIXES, SHAPES, cache_dir, cached_gguf, file_bytes, shape_named
 from rosechat.bench.systems import BenchError, llama_cpp_available
@@ -44,18 +45,6 @@ def _run_child(system: str, path: str, threads: int, vocab: int, prompt_tokens: 
         last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
         return {"system": system, "error": last[:300]}
     return json.loads(line[-1][len("RESULT "):])
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo, None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) << 10
-    except OSError:
-        pass
-    return None
 
 
 def check_room(name: str, mix: str) -> int:

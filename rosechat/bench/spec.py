@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     table = {w: {name: sum(r["tok_s"] for r in rs) / len(rs) for name, rs in by.items()} for w, by in results.items()}
     same = {w: all(a["tokens"] == b["tokens"] for a, b in zip(by["rosechat"], by["rosechat ngram"]))
             for w, by in results.items()}
-    s = spec.scheduler
+    s = spec.cache_snapshot()
     info = plain.info
     return {
         "header": {"model": info.name, "dtype": info.dtype, "quantization": info.quantization, "kernels": info.kernels,
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "load_before": load_before, "load_after": _load(), "wall_s": round(time.perf_counter() - t0, 1)},
         "tok_s": table, "identical": same,
         "acceptance": s.spec_accepted_tokens / max(s.spec_draft_tokens, 1),
-        "tokens_per_check": (s.spec_accepted_tokens + s.spec_steps) / max(s.spec_steps, 1),
+        "tokens_per_check": (s.spec_accepted_tokens + s.spec_drafts) / max(s.spec_drafts, 1),
         "reply_tokens": {w: [len(r["tokens"]) for r in by["rosechat"]] for w, by in results.items()},
     }
 
