@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 def _penalised(seq: Sequence, end: int) -> list[int]:
     """The tokens before `end` a repetition penalty looks at (see SamplingParams.repetition_window)."""
     window = seq.group.params.repetition_window
+    if window is None and end == len(seq):
+        return seq.token_ids  # the whole context, uncopied (a plain step's row)
     return seq.token_ids[max(seq.num_prompt_tokens, end - window) if window is not None else 0 : end]
 
 
@@ -135,7 +137,7 @@ class EngineCore:
         seq.group, seq.index, seq.owner = group, 0, conversation_id or request_id
         seq.num_prompt_tokens, seq.finish_reason, seq.finish_time, seq.generator = len(seq), None, None, None
         seq.detokenizer, seq.pending_text = None, ""  # a parked sequence's last turn is done with
-        seq.logprobs, seq.logprobs_sent, seq.matcher = [], 0, None
+        seq.logprobs, seq.logprobs_sent, seq.matcher, seq.spec = [], 0, None, None
         self.groups[request_id] = group
         self.scheduler.add(seq)
         return request_id
@@ -231,20 +233,20 @@ class EngineCore:
         return tokens.tolist()
 
     def _update(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        self._recent.append((time.monotonic(), len(tokens)))
-        i = 0
-        while i < len(seqs):
-            seq, rows = seqs[i], 1 + seqs[i].num_draft_tokens
+        starts = [i for i in range(len(seqs)) if not i or seqs[i] is not seqs[i - 1]]  # a speculative one's rows
+        appended = 0
+        for i, end in zip(starts, starts[1:] + [len(seqs)]):
+            seq, state = seqs[i], self._streams.pop(seqs[i].seq_id, None)
             if seq.group.error is not None:  # failed this step (e.g. a sibling sample): its tokens are dropped
-                i += rows
                 continue
-            emitted = self.scheduler.accept(seq, tokens[i : i + rows]) if rows > 1 else [tokens[i]]
-            if (state := self._streams.pop(seq.seq_id, None)) is not None:
+            emitted = self.scheduler.accept(seq, tokens[i:end]) if end - i > 1 else [tokens[i]]
+            if state is not None:
                 rewind(seq.generator, state, len(emitted))
             for token in emitted:
+                appended += 1
                 if not self._append(seq, token):
                     break
-            i += rows
+        self._recent.append((time.monotonic(), appended))
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Append one token to seq; False once it is finished (or failed)."""

@@ -91,7 +91,7 @@ class Scheduler:
             while not self.bm.can_append(seq, n) and self._reclaim(protect=seq):
                 pass  # reclaim until seq fits or nothing is left to reclaim
             if self.bm.can_append(seq, n):  # _reclaim never touches seq or anything before it
-                n += self._speculate(seq, n, budget)
+                n += self._speculate(seq, n, budget - (len(self.running) - i - 1))  # a token for each later one
                 self.bm.append_slots(seq, n)
                 scheduled.append((seq, n))
                 budget -= n
@@ -192,13 +192,16 @@ class Scheduler:
     def _speculate(self, seq: Sequence, n: int, budget: int) -> int:
         """Append the proposer's guesses to a decoding sequence that has room for them; returns how many."""
         group = seq.group
-        if self.proposer is None or n != 1 or group.grammar is not None or group.params.logprobs is not None:
+        # not before its first sampled token: a prompt's last chunk may be one token, and a group forks its
+        # n - 1 samples only there (advance)
+        if (self.proposer is None or n != 1 or not seq.num_output_tokens or group.grammar is not None
+                or group.params.logprobs is not None):
             return 0
         if seq.spec is None:
             seq.spec = SpecState()
         k = min(seq.spec.budget(self.proposer.k), budget - 1, group.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - len(seq) - 1)
-        drafts = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+        drafts = self.proposer.propose(seq.spec.tokens(seq.token_ids), k) if k > 0 else []
         if not drafts or not self.bm.can_append(seq, 1 + len(drafts)):
             return 0  # guesses never take memory from anything else
         seq.token_ids += drafts
@@ -265,6 +268,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Drop seq and its blocks for good (a dropped conversation, a failed request)."""
+        self.drop_drafts([seq])  # a failed step's (or failed sibling's) unchecked guesses are not output
         self.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -14,7 +14,7 @@ forgotten (BlockManager.rollback) before any prefix-cache hash is published.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -71,8 +71,8 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        tokens = np.asarray(token_ids, dtype=np.int64)
+    def propose(self, tokens: np.ndarray | list[int], k: int) -> list[int]:
+        tokens = np.asarray(tokens, dtype=np.int64)
         size = len(tokens)
         for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
             suffix = tokens[size - n :]
@@ -99,6 +99,22 @@ class SpecState:
 
     rate: float = 1.0  # running share of its guesses that stood (optimistic at first)
     paused: int = 0  # steps left without guessing
+    buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # its tokens, for the proposer
+    size: int = 0  # of them, the ones held
+
+    def tokens(self, token_ids: list[int]) -> np.ndarray:
+        """token_ids as an array, kept between steps and only extended (converting a 32k-token list each
+        step cost ~1.5 ms); a record lives for one request, whose tokens only grow."""
+        n = len(token_ids)
+        if n < self.size:  # cannot happen within a request: start over rather than trust it
+            self.size = 0
+        if n > len(self.buffer):
+            grown = np.empty(max(n, 2 * len(self.buffer), 256), dtype=np.int64)
+            grown[: self.size] = self.buffer[: self.size]
+            self.buffer = grown
+        self.buffer[self.size : n] = token_ids[self.size : n]
+        self.size = n
+        return self.buffer[:n]
 
     def budget(self, k: int) -> int:
         """Guesses to ask for now (0: paused)."""

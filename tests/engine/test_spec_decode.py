@@ -174,3 +174,60 @@ def test_a_sliding_window_model_keeps_the_plain_tokens(tmp_path) -> None:
     spec = _engine(path, NGRAM)
     assert _run(spec, PROMPTS[:2], params) == _run(_engine(path, None), PROMPTS[:2], params)
     assert spec.scheduler.spec_steps > 0
+
+
+def _bounded(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done, steps = {}, 0
+    while eng.has_unfinished_requests():
+        steps += 1
+        assert steps < 300, f"no progress: {eng.groups}"
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        eng.block_manager.check_invariants()
+    return [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_n_samples_whose_prompt_ends_on_a_one_token_chunk(model_dir: str, n: int) -> None:
+    """A budget of 10 leaves the 11-token prompt's last token for a step of its own: no guess before the
+    first sampled token, where the group forks its samples (found in review: the request never ended)."""
+    params = [SamplingParams(max_tokens=8, temperature=0.5, seed=1, n=n, ignore_eos=True)]
+    got = [[o.token_ids for o in out.outputs] for spec in (None, NGRAM)
+           for out in _bounded(_engine(model_dir, spec, max_num_batched_tokens=10), PROMPTS[:1], params)]
+    assert got[0] == got[1] and len(got[0]) == n
+
+
+def test_guesses_leave_a_token_for_every_later_decode(model_dir: str) -> None:
+    """With a small token budget, guessing sequences must not crowd later ones out of a step."""
+    eng = _engine(model_dir, NGRAM, max_num_batched_tokens=8)
+    eng.scheduler.proposer.propose = lambda ids, k: [int(ids[-1])] * k  # always guesses, as much as allowed
+    schedule, sat_out = eng.scheduler.schedule, []
+
+    def watched():
+        running = list(eng.scheduler.running)
+        batch = schedule()
+        sat_out.append(len(set(running) - set(batch.seqs)))
+        return batch
+
+    eng.scheduler.schedule = watched
+    _bounded(eng, PROMPTS, [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * len(PROMPTS))
+    assert eng.scheduler.spec_steps > 0 and sum(sat_out) == 0, sat_out
+
+
+def test_a_failed_sample_keeps_no_unchecked_guesses(model_dir: str) -> None:
+    """Sample 0's detokenizer fails mid-step: its sibling's guesses are dropped, not reported as output."""
+    eng = _engine(model_dir, NGRAM)
+    eng.scheduler.proposer.propose = lambda ids, k: [int(ids[-1])] * k
+    append = eng.outputs.append
+
+    def failing(seq, token):
+        if seq.index == 0 and seq.num_output_tokens >= 6:
+            raise RuntimeError("detokenizer broke")
+        return append(seq, token)
+
+    eng.outputs.append = failing
+    out = _bounded(eng, PROMPTS[1:2], [SamplingParams(max_tokens=20, temperature=0.8, seed=5, n=2,
+                                                      ignore_eos=True)])[0]
+    assert out.error is not None and eng.scheduler.spec_steps > 0
+    assert all(len(o.token_ids) <= 6 for o in out.outputs), [o.token_ids for o in out.outputs]
+    assert out.usage.completion_tokens == sum(len(o.token_ids) for o in out.outputs)
