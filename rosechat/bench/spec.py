@@ -100,7 +100,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         threads = torch.get_num_threads()
-        kw = {"model_path": path, "n_threads": threads, "n_threads_batch": threads, "n_ctx": 4096, "verbose": False}
+        # n_batch = n_ctx: with a draft model llama-cpp-python keeps every position's logits in a buffer of
+        # n_batch rows, which a reply past n_batch tokens of context overflows (0.3.36)
+        kw = {"model_path": path, "n_threads": threads, "n_threads_batch": threads, "n_ctx": 4096, "n_batch": 4096,
+              "verbose": False}
         eos = set(plain.loaded.eos_token_ids)
         lcpp = Llama(**kw)
         lookup = Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=spec_config.get(
