@@ -186,7 +186,7 @@ def stats_text(snapshot: CacheSnapshot, blocks_per_cell: int = 1, compact: bool 
     else:
         rows = _full_rows(s, used)
     if s.spec_draft_tokens and not compact:  # speculation on: how much of it stands
-        rows.append(("guesses kept", f"{100 * s.spec_accepted_tokens / s.spec_draft_tokens:.0f}% "
+        rows.append(("guesses", f"{100 * s.spec_accepted_tokens / s.spec_draft_tokens:.0f}% kept "
                      f"({(s.spec_accepted_tokens + s.spec_drafts) / max(1, s.spec_drafts):.1f} tok/check)"))
     text = Text(no_wrap=True, overflow="ellipsis")
     for label, value in rows:

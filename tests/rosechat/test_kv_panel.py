@@ -111,3 +111,10 @@ def test_snapshot_panel(snap_compare) -> None:
 def test_snapshot_panel_folded(snap_compare) -> None:
     # A pool much larger than the panel: several blocks per cell, said in the numbers.
     assert snap_compare(PanelApp(synthetic_snapshot(num_blocks=3000)), terminal_size=(100, 16))
+
+
+def test_stats_text_says_how_many_guesses_stand() -> None:
+    snap = CacheSnapshot(4, 16, (0,) * 4, (0,) * 4, ((),) * 4, spec_drafts=10, spec_draft_tokens=40,
+                         spec_accepted_tokens=25)
+    assert "guesses     62% kept (3.5 tok/check)" in stats_text(snap).plain
+    assert "guesses" not in stats_text(CacheSnapshot(4, 16, (0,) * 4, (0,) * 4, ((),) * 4)).plain
