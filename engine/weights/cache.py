@@ -154,7 +154,7 @@ class WeightCache:
         for name, module in packed.items():
             weight = module.weight
             if not isinstance(weight, BlockWeight) or not type(weight).names:
-                return  # torch's or the GPU's forms, and q8m / q6 (no allocate yet): not cached
+                return  # torch's or the GPU's forms: not cached
             modules[name] = {"class": type(weight).__name__, "mode": weight.mode, "shape": list(weight.shape)}
             tensors.update({f"{name}.weight.{k}": t for k, t in weight.tensors().items()})
         params = dict(model.named_parameters())

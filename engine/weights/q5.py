@@ -27,7 +27,7 @@ from engine.weights.blocks import (
     ggml_nibbles,
     k_scale_min,
 )
-from engine.weights.packed import BlockWeight
+from engine.weights.packed import ROW_GROUP, BlockWeight
 from engine.weights.q4 import q4_from_blocks
 from engine.weights.q8 import q8_from_blocks
 from kernels.cpu import ops as cpu_ops
@@ -103,10 +103,19 @@ class Q8MWeight(BlockWeight):
     the kernel's order (cpu_ops.pack_q8, cpu_ops.pack_scales)."""
 
     mode = "int8"
+    names = ("qs", "d", "m")
 
     def __init__(self, qs: Tensor, d: Tensor, m: Tensor) -> None:
         self.shape = tuple(qs.shape)
         self.qs, self.d, self.m = cpu_ops.pack_q8(qs), cpu_ops.pack_scales(d), cpu_ops.pack_scales(m)
+
+    @classmethod
+    def allocate(cls, out_f: int, in_f: int) -> Q8MWeight:
+        """Tensors of pack_q8's and pack_scales' shapes (the weight cache checks them)."""
+        groups, blocks = -(-out_f // ROW_GROUP), in_f // GROUP
+        return cls.from_tensors((out_f, in_f), {"qs": torch.empty(out_f, in_f, dtype=torch.int8),
+                                                "d": torch.empty(groups, blocks, ROW_GROUP),
+                                                "m": torch.empty(groups, blocks, ROW_GROUP)})
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q8m_linear(x, self.qs, self.d, self.m)

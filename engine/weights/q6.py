@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.weights.blocks import SUPER, BlockShards, GGUFBlocks, block_tensor, f16_field, k_scale_min
-from engine.weights.packed import BlockWeight
+from engine.weights.blocks import GROUP, SUPER, BlockShards, GGUFBlocks, block_tensor, f16_field, k_scale_min
+from engine.weights.packed import ROW_GROUP, BlockWeight
 from engine.weights.q4 import _q4_k
 from engine.weights.q5 import _q5_k
 from kernels.cpu import ops as cpu_ops
@@ -61,16 +61,33 @@ def q6_from_shards(shards: BlockShards) -> Parts | None:
 
 
 class Q6Weight(BlockWeight):
-    """int8 values with an int8 scale per 16 weights times a scale per 256, and an optional offset per
-    block of 32: w = (d * sc) * q + m (quant_k.cpp's q6). Kept in the kernel's order (cpu_ops.pack_q8,
-    pack_scales, pack_sub_scales)."""
+    """int8 values with an int8 scale per 16 weights times a scale per 256: w = (d * sc) * q (quant_k.cpp's
+    q6, GGUF's Q6_K). Kept in the kernel's order (cpu_ops.pack_q8, pack_scales, pack_sub_scales).
+    Q6MWeight adds an offset per block of 32 (Q4_K / Q5_K rows beside Q6_K ones); `of` picks."""
 
     mode = "int8"
+    names = ("qs", "d", "sc")
+    m: Tensor | None = None
 
-    def __init__(self, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None) -> None:
+    def __init__(self, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None = None) -> None:
         self.shape = tuple(qs.shape)
         self.qs, self.d, self.sc = cpu_ops.pack_q8(qs), cpu_ops.pack_scales(d), cpu_ops.pack_sub_scales(sc)
-        self.m = None if m is None else cpu_ops.pack_scales(m)
+        if m is not None:
+            self.m = cpu_ops.pack_scales(m)
+
+    @staticmethod
+    def of(qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None) -> Q6Weight:
+        return Q6Weight(qs, d, sc) if m is None else Q6MWeight(qs, d, sc, m)
+
+    @classmethod
+    def allocate(cls, out_f: int, in_f: int) -> Q6Weight:
+        """Tensors of pack_q8's, pack_scales' and pack_sub_scales' shapes (the weight cache checks them)."""
+        groups, blocks = -(-out_f // ROW_GROUP), in_f // GROUP
+        tensors = {"qs": torch.empty(out_f, in_f, dtype=torch.int8),
+                   "d": torch.empty(groups, in_f // SUPER, ROW_GROUP),
+                   "sc": torch.empty(groups, blocks, 2, ROW_GROUP, dtype=torch.int8),
+                   "m": torch.empty(groups, blocks, ROW_GROUP)}
+        return cls.from_tensors((out_f, in_f), {k: tensors[k] for k in cls.names})
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q6_linear(x, self.qs, self.d, self.sc, self.m)
@@ -79,4 +96,10 @@ class Q6Weight(BlockWeight):
         return cpu_ops.q6_rows(self.qs, self.d, self.sc, self.m, ids).to(dtype)
 
     def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes + self.sc.nbytes + (0 if self.m is None else self.m.nbytes)
+        return sum(t.nbytes for t in self.tensors().values())
+
+
+class Q6MWeight(Q6Weight):
+    """Q6Weight with an offset per block of 32: w = (d * sc) * q + m."""
+
+    names = ("qs", "d", "sc", "m")

@@ -109,14 +109,14 @@ def exact_int8(source: Source) -> BlockWeight | None:
         if (plain := q8_from_blocks(source) or q5_0_from_blocks(source)) is not None:
             return Q8Weight(*plain)
         if source.type_name == "Q6_K":
-            return Q6Weight(*q6_from_blocks(source))
+            return Q6Weight.of(*q6_from_blocks(source))
         parts = q8m_from_blocks(source)
         return None if parts is None else Q8MWeight(*parts)
     if isinstance(source, BlockShards):
         if (parts := q8m_from_shards(source)) is not None:
             return Q8MWeight(*parts)
         if (k_parts := q6_from_shards(source)) is not None:
-            return Q6Weight(*k_parts)
+            return Q6Weight.of(*k_parts)
     return None
 
 

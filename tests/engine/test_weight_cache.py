@@ -349,3 +349,23 @@ def test_the_quick_header_reader_agrees_with_gguf(model_file: Path) -> None:
             assert key in header.arrays if isinstance(value, list) else header.fields[key] == pytest.approx(value)
     assert [(t.name, t.type_name, t.shape, t.offset, t.n_bytes) for t in header.tensors] == [
         (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes) for t in reader.tensors]
+
+
+def test_a_q4_k_m_like_file_is_cached_in_its_exact_forms(tmp_path: Path, cache_dir: Path, monkeypatch) -> None:
+    """q6 (with and without offsets) and q8m weights go through the cache like q4 and q8."""
+    from tests.engine.test_gguf_types import K_SHAPE, MIX
+
+    path = tmp_path / "q4km.gguf"
+    _, tok = write_gguf(path, "llama", qtype="Q4_K", tie=True, tensor_qtypes=MIX, **K_SHAPE)
+    cold = _load(path)
+    kinds = {type(m.weight).__name__ for m in packed_modules(cold.model).values()}
+    assert {"Q6Weight", "Q6MWeight", "Q8MWeight"} <= kinds, kinds
+    monkeypatch.setattr(packing, "fill_rows", lambda *a, **k: pytest.fail("a warm load packed a weight"))
+    monkeypatch.setattr(packing, "pack", lambda *a, **k: pytest.fail("a warm load packed a weight"))
+    stages: list[str] = []
+    warm = _load(path, stages)
+    assert "loading cached weights" in stages
+    want, got = _tensors(cold), _tensors(warm)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    ids = tok.encode("the cat sat on the mat").ids
+    assert torch.equal(PagedHarness(cold).step(prefills=[(0, ids)]), PagedHarness(warm).step(prefills=[(0, ids)]))
