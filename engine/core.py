@@ -98,7 +98,7 @@ class EngineCore:
             kernels=cpu_ops.build_status() if self.runner.device.type == "cpu" else self.runner.device.type,
             num_blocks=self.block_manager.num_blocks, block_size=c.block_size, max_model_len=self.max_model_len,
             generation_defaults=dict(self.loaded.generation_defaults), generation_source=self.loaded.generation_source,
-            kv_block_bytes=self.kv_block_bytes,
+            kv_block_bytes=self.kv_block_bytes, notice=self.loaded.notice,
         )  # fmt: skip
 
     @property

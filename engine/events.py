@@ -177,6 +177,7 @@ class EngineInfo:
     reason: str = ""  # why this dtype and these kernels (engine/defaults.py)
     quantization: str = ""  # what load_model was asked for ("auto": as the file has them)
     kernels: str = ""  # what runs the CPU math: "rosechat avx2 (...)" or "torch (why)"; "cuda" on a GPU
+    notice: str = ""  # something about the model a user should be told once (it has no chat template)
 
     @property
     def runs_on(self) -> str:

@@ -166,6 +166,8 @@ class RoseChatApp(App[None]):
         info = self.llm.info
         if self.model_notice:
             self.notify(self.model_notice, title="Model not found", severity="warning", timeout=15)
+        if info.notice:
+            self.notify(info.notice, title="Model", timeout=10)
         self.sub_title = " · ".join([info.name, info.runs_on, info.dtype])
         await self.link.start(local_backend(self.llm, self.events.push))
 

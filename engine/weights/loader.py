@@ -35,6 +35,11 @@ from engine.weights.source import ModelSource, generation_defaults, resolve_mode
 from kernels.cpu import ops as cpu_ops
 
 Progress = Callable[[LoadProgress], None]  # how far loading is
+# For a model whose tokenizer has no chat template (a base model): turns as plain labelled lines
+PLAIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 
 
 class Stages:
@@ -63,6 +68,7 @@ class LoadedModel:
     # the model's own sampling settings (SamplingParams fields) and where they came from
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     generation_source: str = ""
+    notice: str = ""  # something about the model a user should be told once (a plain chat template)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -235,7 +241,12 @@ def _loaded(
     model: nn.Module, config: Any, tokenizer: Any, name: str, is_demo: bool, eos: list[int]
 ) -> LoadedModel:
     attn = model.attention_layers()[0]
+    notice = ""
+    if getattr(tokenizer, "chat_template", None) is None:  # a base model: chat through a plain template
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+        notice = f"{name} has no chat template: it chats through a plain one (System: / User: / Assistant: lines)"
     return LoadedModel(
+        notice=notice,
         model=model,
         config=config,
         tokenizer=tokenizer,

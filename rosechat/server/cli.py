@@ -85,6 +85,8 @@ def serve(config: Config, args: argparse.Namespace) -> int:
         info = llm.info
         say(f"{settings.model_name} ({info.device}, {info.dtype}, {info.num_blocks} KV blocks of {info.block_size}, "
             f"context {info.max_model_len}) on {address}/v1{' (API key required)' if api_key else ''}")
+        if info.notice:
+            say(info.notice)
 
     def load_failed(error: str) -> None:
         failed.append(error)

@@ -186,3 +186,22 @@ def test_score_refuses_what_does_not_fit_and_keeps_the_pool_whole(model_dir: str
     eng.block_manager.check_invariants()
     assert eng.score([1, 2, 3]).shape[0] == 3  # what fits still scores
     assert eng.block_manager.num_free_blocks == free
+
+
+def test_a_model_without_a_chat_template_chats_through_a_plain_one(tmp_path) -> None:
+    """A base model's tokenizer has no chat template: turns go through a plain one, and the engine says so once."""
+    import json
+
+    path = make_tiny_model(tmp_path / "base", "llama")
+    config = path / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    for extra in path.glob("chat_template.*"):
+        extra.unlink()
+    eng = LLMEngine.from_pretrained(str(path), num_blocks=64, block_size=4)
+    assert "has no chat template" in eng.info.notice
+    text = eng.tokenizer.decode(eng.render_chat([SYSTEM, {"role": "user", "content": "hello there"}]))
+    assert text.endswith("System: You are terse.\n\nUser: hello there\n\nAssistant:"), text
+    cid = eng.start_conversation()
+    out = _turn(eng, cid, [SYSTEM, {"role": "user", "content": "hello there"}], max_tokens=4)[0]
+    assert out.error is None and out.usage.completion_tokens == 4
+    assert LLMEngine.from_pretrained(str(make_tiny_model(tmp_path / "chat", "llama")), num_blocks=8).info.notice == ""
