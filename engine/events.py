@@ -130,6 +130,7 @@ class Finished:
     sample_tokens_per_s: tuple[float, ...] = ()
     logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None  # per sample, when asked for
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # per prompt token (None: the first), if asked
+    sample_guesses: tuple[tuple[int, int], ...] = ()  # per sample (guessed, kept) when speculation ran
 
 
 @dataclass(frozen=True)

@@ -113,4 +113,6 @@ class OutputProcessor:
             sample_tokens_per_s=tuple(out.sample_tokens_per_s),
             logprobs=None if group.params.logprobs is None else tuple(tuple(o.logprobs or ()) for o in out.outputs),
             prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
+            sample_guesses=tuple((s.spec.guessed, s.spec.kept) if s.spec else (0, 0) for s in group.seqs)
+            if any(s.spec and s.spec.guessed for s in group.seqs) else (),
         ))  # fmt: skip

@@ -99,6 +99,8 @@ class SpecState:
 
     rate: float = 1.0  # running share of its guesses that stood (optimistic at first)
     paused: int = 0  # steps left without guessing
+    guessed: int = 0  # this request's guesses, and of them the ones that stood (its reply's footer)
+    kept: int = 0
     buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # its tokens, for the proposer
     size: int = 0  # of them, the ones held
 
@@ -124,6 +126,7 @@ class SpecState:
         return max(1, round(k * self.rate))
 
     def record(self, guessed: int, kept: int) -> None:
+        self.guessed, self.kept = self.guessed + guessed, self.kept + kept
         self.rate += RATE_WEIGHT * (kept / guessed - self.rate)
         if self.rate < MIN_RATE:
             self.rate, self.paused = 0.5, PAUSE_STEPS

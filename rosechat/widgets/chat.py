@@ -117,6 +117,7 @@ class ReplyStats:
     ttft_s: float | None = None
     tokens_per_s: float | None = None
     finish_reason: str | None = None  # "stop", "length", "context" (the context's limit), "stopped", "error"
+    guesses_kept: float | None = None  # speculative decoding: the share of its guesses that stood
 
     def line(self) -> str:
         parts = [] if self.tokens is None else [f"{self.tokens} tokens"]
@@ -124,6 +125,8 @@ class ReplyStats:
             parts.append(f"TTFT {self.ttft_s:.2f} s")
         if self.tokens_per_s:
             parts.append(f"{self.tokens_per_s:.1f} tok/s")
+        if self.guesses_kept is not None:
+            parts.append(f"{100 * self.guesses_kept:.0f}% of guesses kept")
         if self.finish_reason in _REASONS:
             parts.append(_REASONS[self.finish_reason])
         return " · ".join(parts)

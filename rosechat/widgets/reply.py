@@ -61,9 +61,11 @@ class ActiveReply:
         message.content, message.view = view.text, view
         counts = ev.sample_tokens or (ev.usage.completion_tokens,)
         rates = ev.sample_tokens_per_s or (ev.tokens_per_s,)
+        guesses = ev.sample_guesses or ((0, 0),) * len(counts)
         view.stats = [
-            ReplyStats(n, ev.ttft_s, tps, "context" if reason == "length" and clamped else reason)
-            for n, tps, reason in zip(counts, rates, ev.finish_reasons)
+            ReplyStats(n, ev.ttft_s, tps, "context" if reason == "length" and clamped else reason,
+                       kept / guessed if guessed else None)
+            for n, tps, reason, (guessed, kept) in zip(counts, rates, ev.finish_reasons, guesses)
         ]
         view.show_stats()
         return message

@@ -231,3 +231,17 @@ def test_a_failed_sample_keeps_no_unchecked_guesses(model_dir: str) -> None:
     assert out.error is not None and eng.scheduler.spec_steps > 0
     assert all(len(o.token_ids) <= 6 for o in out.outputs), [o.token_ids for o in out.outputs]
     assert out.usage.completion_tokens == sum(len(o.token_ids) for o in out.outputs)
+
+
+def test_each_reply_says_how_many_of_its_guesses_stood(model_dir: str) -> None:
+    from engine import Finished
+    from rosechat.widgets.chat import ReplyStats
+
+    out = _bounded(_engine(model_dir, NGRAM), PROMPTS[1:2], [SamplingParams(max_tokens=30, temperature=0,
+                                                                            ignore_eos=True)])[0]
+    (finished,) = [e for e in out.events if isinstance(e, Finished)]
+    ((guessed, kept),) = finished.sample_guesses
+    assert 0 < kept <= guessed
+    assert f"{100 * kept / guessed:.0f}% of guesses kept" in ReplyStats(30, 0.1, 50.0, "length", kept / guessed).line()
+    plain = _bounded(_engine(model_dir, None), PROMPTS[1:2], [SamplingParams(max_tokens=5, temperature=0)])[0]
+    assert [e.sample_guesses for e in plain.events if isinstance(e, Finished)] == [()]
