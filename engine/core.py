@@ -191,8 +191,7 @@ class EngineCore:
                 logits = logits[rows]
             tokens = self._sample(logits, seqs) if seqs else []
         except Exception as e:  # the batch is lost, the engine is not: its requests end with the error
-            self.scheduler.drop_drafts(batch.seqs)
-            for group in groups:
+            for group in groups:  # (releasing a sequence drops its unchecked guesses)
                 self._fail(group, f"{type(e).__name__}: {e}")
             return self._collect([])
         t3 = time.perf_counter()

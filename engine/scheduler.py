@@ -143,7 +143,7 @@ class Scheduler:
         """The token rows to take logits of, where a step needs more than each sampling sequence's last one:
         prompt positions due for logprobs first, then the rows that sample (every row of a speculative
         sequence), and per scored span its group, the tokens it scores and its first row. None otherwise."""
-        scored, samples, spans, offset = [], [], [], 0
+        scored, samples, spans, offset, speculating = [], [], [], 0, False
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start, group = seq.num_computed_tokens, seq.group
             if group.params.prompt_logprobs is not None:  # positions not scored yet (not again after a preemption)
@@ -155,10 +155,11 @@ class Scheduler:
                     scored += range(offset + lo - start, offset + hi - start)
             if seq.num_draft_tokens:  # every position of a speculative sequence samples
                 samples += range(offset, offset + n)
+                speculating = True
             elif start + n == len(seq):
                 samples.append(offset + n - 1)
             offset += n
-        return (scored + samples, spans) if spans or any(s.num_draft_tokens for s in batch.seqs) else None
+        return (scored + samples, spans) if spans or speculating else None
 
     def advance(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence]]:
         """Mark the batch's tokens computed; returns the sequences that sample now with their logits row. A group's
@@ -226,12 +227,6 @@ class Scheduler:
             self.spec_steps + 1, self.spec_draft_tokens + k, self.spec_accepted_tokens + keep)
         return sampled[: keep + 1]
 
-    def drop_drafts(self, seqs: list[Sequence]) -> None:
-        """A failed step's guesses leave the sequences (they are not output)."""
-        for seq in seqs:
-            if seq.num_draft_tokens:
-                del seq.token_ids[len(seq) - seq.num_draft_tokens :]
-                seq.num_draft_tokens = 0
 
     def _fork_sample(self, seq: Sequence, index: int) -> Sequence:
         child = Sequence(seq.token_ids, seq.group, index)
@@ -268,7 +263,9 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Drop seq and its blocks for good (a dropped conversation, a failed request)."""
-        self.drop_drafts([seq])  # a failed step's (or failed sibling's) unchecked guesses are not output
+        if seq.num_draft_tokens:  # a failed step's (or failed sibling's) unchecked guesses are not output
+            del seq.token_ids[len(seq) - seq.num_draft_tokens :]
+            seq.num_draft_tokens = 0
         self.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED

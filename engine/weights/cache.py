@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from engine.weights.gguf import cache_root
+from engine.weights.gguf_config import cache_root
 from engine.weights.packed import BlockWeight
 
 LAYOUT_VERSION = 1  # bump when a packed format's tensors or their layout change

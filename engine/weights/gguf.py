@@ -11,10 +11,7 @@ their raw blocks (blocks.GGUFBlocks) for a packed load (packing.py).
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 import re
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from engine.weights import gguf_config
 from engine.weights.blocks import GGUFBlocks
 from engine.weights.gguf_header import HeaderError, TensorInfo, read_header
 
@@ -45,7 +43,6 @@ _PERMUTED_QK = {"llama", "mistral"}
 # ours hold w, as Hugging Face checkpoints do (transformers' GGUF loader subtracts the 1 too).
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}
 # llama.cpp's Gemma 27B models scale queries by hidden/heads, not head_dim (by their layer count)
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _SPLIT_NAME = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 # general.sampling.* key -> SamplingParams field
@@ -57,20 +54,6 @@ SAMPLING_KEYS = {
     "general.sampling.penalty_repeat": "repetition_penalty",
     "general.sampling.penalty_last_n": "repetition_window",
 }
-
-
-_CACHE_VERSION = 1  # bump when what the cache holds changes
-
-
-def cache_root() -> Path | None:
-    """Where converted configs and tokenizers are kept: $ROSECHAT_CACHE_DIR, else the user cache
-    directory; None when caching is off (ROSECHAT_CACHE_DIR set to an empty string)."""
-    root = os.environ.get("ROSECHAT_CACHE_DIR")
-    if root is None:
-        import platformdirs
-
-        root = platformdirs.user_cache_dir("rosechat")
-    return Path(root) / "gguf" if root else None
 
 
 class GGUFError(ValueError):
@@ -179,92 +162,9 @@ class GGUFModel:
         return default if f is None else f.contents()
 
     # ------------------------------------------------------------------ config, tokenizer, settings
-    def load_config(self) -> Any:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
-        config.architectures = [ARCHITECTURES[self.arch]]
-        # Keys transformers' mapping leaves out or misplaces: Qwen3's head_dim is not hidden/heads
-        # (0.6B: 128 vs 64); GPT-2's context and MLP width.
-        if (key_length := self.field(f"{self.arch}.attention.key_length")) is not None and self.arch != "gpt2":
-            config.head_dim = int(key_length)
-        if self.arch == "gpt2":  # transformers maps these to names GPT2Config does not read
-            if (ffn := self.field("gpt2.feed_forward_length")) is not None:
-                config.n_inner = int(ffn)
-            if (ctx := self.field("gpt2.context_length")) is not None:
-                config.n_positions = int(ctx)
-        if self.arch in _NORM_PLUS_ONE:
-            self._gemma_config(config)
-        return config
-
-    def _gemma_config(self, config: Any) -> None:
-        """What llama.cpp stores, or assumes, for Gemma and transformers' GGUF mapping does not read:
-        soft-capping, the sliding-window pattern, the query scale, Gemma 3's local RoPE base and scaling."""
-        arch = self.arch
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if (value := self.field(f"{arch}.{key}")) is not None:
-                setattr(config, key, float(value))
-        pattern = self.field(f"{arch}.attention.sliding_window_pattern")
-        if pattern is not None:  # an int n (every n-th layer global) or one flag per layer (True: sliding)
-            n = config.num_hidden_layers
-            flags = ([bool(f) for f in pattern] if isinstance(pattern, list)
-                     else [int(pattern) == 0 or (i + 1) % int(pattern) != 0 for i in range(n)])
-            config.layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
-        # llama.cpp: 1 / sqrt(head_dim), except the 27B models' 1 / sqrt(hidden / heads)
-        big = config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]
-        config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads if big
-                                        else config.head_dim)
-        if arch == "gemma3":
-            rope = dict(getattr(config, "rope_parameters", None) or {})
-            full = dict(rope.get("full_attention") or {"rope_type": "default"})
-            if (theta := self.field("gemma3.rope.freq_base")) is not None:
-                full["rope_theta"] = float(theta)
-            if self.field("gemma3.rope.scaling.type") == "linear":  # global layers only, as llama.cpp
-                full.update(rope_type="linear", factor=float(self.field("gemma3.rope.scaling.factor")))
-            local = dict(rope.get("sliding_attention") or {"rope_type": "default"})
-            local["rope_theta"] = float(self.field("gemma3.rope.freq_base_swa", 10000.0))
-            config.rope_parameters = {"full_attention": full, "sliding_attention": local}
-
-    def load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
-
     def config_and_tokenizer(self, say: Callable[[str], None] = lambda _: None) -> tuple[Any, Any]:
-        """(config, tokenizer), converted by transformers once per file and then read back from a
-        cache folder: each conversion re-reads the whole file (about 8 s of the 15 s it takes to
-        load SmolLM2-135M, for its 49k-token vocabulary)."""
-        from transformers import AutoConfig, AutoTokenizer
-
-        folder = self._cache_folder()
-        if folder is not None and (folder / "config.json").is_file():
-            say("reading the tokenizer")
-            try:
-                return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-            except Exception:  # a damaged cache: convert again
-                shutil.rmtree(folder, ignore_errors=True)
-        say("converting the tokenizer")
-        config = self.load_config()
-        tokenizer = self.load_tokenizer()
-        if folder is not None:
-            tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-            try:
-                config.save_pretrained(tmp)
-                tokenizer.save_pretrained(tmp)
-                os.replace(tmp, folder)  # whole or not at all, also with two rosechats starting
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return config, tokenizer
-
-    def _cache_folder(self) -> Path | None:
-        import transformers
-
-        root = cache_root()
-        if root is None:
-            return None
-        stat = self.path.stat()
-        key = f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{_CACHE_VERSION}"
-        return root / f"{self.path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        """(config, tokenizer) as transformers converts them, once per file (gguf_config.py)."""
+        return gguf_config.config_and_tokenizer(self, ARCHITECTURES[self.arch], say)
 
     def eos_token_ids(self) -> list[int]:
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")

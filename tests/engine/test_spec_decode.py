@@ -34,16 +34,27 @@ def _engine(path: str, spec: dict | None, **kw) -> LLMEngine:
     return LLMEngine.from_pretrained(path, speculative_config=spec, block_size=4, **kw)
 
 
-def _run(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
-    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done = {}
+def _drain(eng: LLMEngine) -> list:
+    """Step until idle; the finished outputs. Every step checks the block invariants, and none may stall."""
+    finished, steps = [], 0
     while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
+        steps += 1
+        assert steps < 1000, f"no progress: {eng.groups}"
+        finished += [out for out in eng.step() if out.finished]
         eng.block_manager.check_invariants()
-    assert all(done[i].error is None for i in ids)
-    return [[o.token_ids for o in done[i].outputs] for i in ids]
+    return finished
+
+
+def _bounded(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = {out.request_id: out for out in _drain(eng)}
+    return [done[i] for i in ids]
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
+    outs = _bounded(eng, prompts, params)
+    assert all(out.error is None for out in outs)
+    return [[o.token_ids for o in out.outputs] for out in outs]
 
 
 def test_proposer_takes_the_longest_latest_match() -> None:
@@ -145,14 +156,6 @@ def test_preemption_and_conversation_turns_keep_the_plain_tokens(model_dir: str)
     assert replies[0] == replies[1]
 
 
-def _drain(eng: LLMEngine) -> list:
-    finished = []
-    while eng.has_unfinished_requests():
-        finished += [out for out in eng.step() if out.finished]
-        eng.block_manager.check_invariants()
-    return finished
-
-
 def test_a_sequence_whose_guesses_fail_pauses_then_tries_again() -> None:
     state = SpecState()
     assert state.budget(4) == 4
@@ -174,17 +177,6 @@ def test_a_sliding_window_model_keeps_the_plain_tokens(tmp_path) -> None:
     spec = _engine(path, NGRAM)
     assert _run(spec, PROMPTS[:2], params) == _run(_engine(path, None), PROMPTS[:2], params)
     assert spec.scheduler.spec_steps > 0
-
-
-def _bounded(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
-    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done, steps = {}, 0
-    while eng.has_unfinished_requests():
-        steps += 1
-        assert steps < 300, f"no progress: {eng.groups}"
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-        eng.block_manager.check_invariants()
-    return [done[i] for i in ids]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

@@ -1,0 +1,123 @@
+"""What a GGUF file says besides its tensors, as transformers reads it: the config (with the keys its GGUF
+mapping leaves out or misplaces, read from the file) and the tokenizer, converted once per file and kept in a
+cache folder. `model` is a gguf.GGUFModel (its path, arch and field())."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_CACHE_VERSION = 1  # bump when what the cache holds changes
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # Gemma's architectures, and their 27B models' depth
+
+
+def cache_root() -> Path | None:
+    """Where converted configs and tokenizers are kept: $ROSECHAT_CACHE_DIR, else the user cache
+    directory; None when caching is off (ROSECHAT_CACHE_DIR set to an empty string)."""
+    root = os.environ.get("ROSECHAT_CACHE_DIR")
+    if root is None:
+        import platformdirs
+
+        root = platformdirs.user_cache_dir("rosechat")
+    return Path(root) / "gguf" if root else None
+
+
+def load_config(model: Any, architecture: str) -> Any:
+    """transformers' config for the file, plus the keys its GGUF mapping leaves out or misplaces."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model.path.parent, gguf_file=model.path.name)
+    config.architectures = [architecture]
+    # Keys transformers' mapping leaves out or misplaces: Qwen3's head_dim is not hidden/heads
+    # (0.6B: 128 vs 64); GPT-2's context and MLP width.
+    if (key_length := model.field(f"{model.arch}.attention.key_length")) is not None and model.arch != "gpt2":
+        config.head_dim = int(key_length)
+    if model.arch == "gpt2":  # transformers maps these to names GPT2Config does not read
+        if (ffn := model.field("gpt2.feed_forward_length")) is not None:
+            config.n_inner = int(ffn)
+        if (ctx := model.field("gpt2.context_length")) is not None:
+            config.n_positions = int(ctx)
+    if model.arch in _GEMMA_27B_LAYERS:
+        _gemma_config(model, config)
+    return config
+
+
+def _gemma_config(model: Any, config: Any) -> None:
+    """What llama.cpp stores, or assumes, for Gemma and transformers' GGUF mapping does not read:
+    soft-capping, the sliding-window pattern, the query scale, Gemma 3's local RoPE base and scaling."""
+    arch = model.arch
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if (value := model.field(f"{arch}.{key}")) is not None:
+            setattr(config, key, float(value))
+    pattern = model.field(f"{arch}.attention.sliding_window_pattern")
+    if pattern is not None:  # an int n (every n-th layer global) or one flag per layer (True: sliding)
+        n = config.num_hidden_layers
+        flags = ([bool(f) for f in pattern] if isinstance(pattern, list)
+                 else [int(pattern) == 0 or (i + 1) % int(pattern) != 0 for i in range(n)])
+        config.layer_types = ["sliding_attention" if f else "full_attention" for f in flags]
+    # llama.cpp: 1 / sqrt(head_dim), except the 27B models' 1 / sqrt(hidden / heads)
+    big = config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]
+    config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads if big
+                                    else config.head_dim)
+    if arch == "gemma3":
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        full = dict(rope.get("full_attention") or {"rope_type": "default"})
+        if (theta := model.field("gemma3.rope.freq_base")) is not None:
+            full["rope_theta"] = float(theta)
+        if model.field("gemma3.rope.scaling.type") == "linear":  # global layers only, as llama.cpp
+            full.update(rope_type="linear", factor=float(model.field("gemma3.rope.scaling.factor")))
+        local = dict(rope.get("sliding_attention") or {"rope_type": "default"})
+        local["rope_theta"] = float(model.field("gemma3.rope.freq_base_swa", 10000.0))
+        config.rope_parameters = {"full_attention": full, "sliding_attention": local}
+
+
+def load_tokenizer(model: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model.path.parent, gguf_file=model.path.name)
+
+
+def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], None] = lambda _: None
+                         ) -> tuple[Any, Any]:  # fmt: skip
+    """(config, tokenizer), converted by transformers once per file and then read back from a
+    cache folder: each conversion re-reads the whole file (about 8 s of the 15 s it takes to
+    load SmolLM2-135M, for its 49k-token vocabulary)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = _cache_folder(model.path)
+    if folder is not None and (folder / "config.json").is_file():
+        say("reading the tokenizer")
+        try:
+            return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+        except Exception:  # a damaged cache: convert again
+            shutil.rmtree(folder, ignore_errors=True)
+    say("converting the tokenizer")
+    config = load_config(model, architecture)
+    tokenizer = load_tokenizer(model)
+    if folder is not None:
+        tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+        try:
+            config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, folder)  # whole or not at all, also with two rosechats starting
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return config, tokenizer
+
+
+def _cache_folder(path: Path) -> Path | None:
+    import transformers
+
+    root = cache_root()
+    if root is None:
+        return None
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{_CACHE_VERSION}"
+    return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+__all__ = ["cache_root", "config_and_tokenizer", "load_config", "load_tokenizer"]
