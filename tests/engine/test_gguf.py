@@ -209,7 +209,7 @@ def test_a_truncated_file_says_so(gguf_dir: Path, tmp_path: Path) -> None:
 
 
 def test_config_and_tokenizer_are_converted_once_then_cached(gguf_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from engine.weights.gguf import GGUFModel
+    from engine.weights import gguf_config
 
     monkeypatch.setenv("ROSECHAT_CACHE_DIR", str(tmp_path / "cache"))
     path = gguf_dir / "cached.gguf"
@@ -218,11 +218,11 @@ def test_config_and_tokenizer_are_converted_once_then_cached(gguf_dir: Path, tmp
     (folder,) = (tmp_path / "cache" / "gguf").iterdir()
     assert (folder / "config.json").is_file() and folder.name.startswith("cached-")
 
-    def no_conversion(self):
+    def no_conversion(*args):
         raise AssertionError("converted again despite the cache")
 
-    monkeypatch.setattr(GGUFModel, "load_config", no_conversion)
-    monkeypatch.setattr(GGUFModel, "load_tokenizer", no_conversion)
+    monkeypatch.setattr(gguf_config, "load_config", no_conversion)
+    monkeypatch.setattr(gguf_config, "load_tokenizer", no_conversion)
     again = load_model(str(path))
     assert again.config.head_dim == 32 and again.config.architectures == ["Qwen3ForCausalLM"]
     messages = [{"role": "user", "content": "hello there"}]
