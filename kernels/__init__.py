@@ -3,7 +3,8 @@
 Every entry point takes ``backend``: "triton", "torch", or None (Triton when the tensors are on
 CUDA and Triton is installed, the PyTorch path otherwise). Triton is imported only when used.
 Modules, one per backend and job: triton_decode / torch_decode, triton_prefill / torch_prefill,
-triton_cache / torch_cache; torch_budget bounds the PyTorch path's intermediates.
+triton_cache / torch_cache; torch_budget bounds the PyTorch path's intermediates. A decode step's
+whole decoder in one CPU call is a plug-in the models ask for: `fused_decoder(DecoderSpec)`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.cpu import ops as cpu_ops
+from kernels.cpu.fused_decode import DecoderSpec, FusedDecoder, LayerSpec, fused_decoder
 from kernels.pytorch import cache as torch_cache
 from kernels.pytorch import decode as torch_decode
 from kernels.pytorch import prefill as torch_prefill
@@ -22,9 +24,13 @@ from kernels.pytorch.decode import DecodePlan, SharedPrefix, plan_decode
 
 __all__ = [
     "DecodePlan",
+    "DecoderSpec",
+    "FusedDecoder",
+    "LayerSpec",
     "SharedPrefix",
     "block_linear",
     "copy_blocks",
+    "fused_decoder",
     "paged_decode_attention",
     "paged_prefill_attention",
     "plan_decode",

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from engine.attention import Attention, AttentionMetadata, DecodeGather
+from engine.attention import Attention, AttentionMetadata
 from engine.models.layers import (
     Linear,
     MergedLinear,
@@ -25,8 +24,7 @@ from engine.models.layers import (
     rotate_qk,
     silu_and_mul,
 )
-from engine.weights.packed import BlockWeight
-from kernels.cpu import ops as cpu_ops
+from kernels import DecoderSpec, FusedDecoder, LayerSpec, fused_decoder
 
 
 class LlamaAttentionBlock(nn.Module):
@@ -96,18 +94,15 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def decode_weights(self) -> list[Tensor] | None:
-        """This layer's tensors for cpu_ops.llama_decode_weights: fp32 norms and packed
-        block weights (ours), no biases, no q/k norms, SiLU, full attention; None when the layer has
-        anything else (a sliding window: the one-call decode attends every key)."""
+    def spec(self) -> LayerSpec:
+        """This layer in the terms a fused decode step asks for (kernels/cpu/fused_decode.py)."""
         attn, mlp = self.self_attn, self.mlp
-        norms = [self.input_layernorm, self.post_attention_layernorm]
-        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        if (attn.q_norm is not None or mlp.act is not None or norms[0].eps != norms[1].eps or attn.attn.window
-                or any(n.weight.dtype != torch.float32 for n in norms)
-                or any(not isinstance(m.weight, BlockWeight) or m.bias is not None for m in linears)):
-            return None
-        return [n.weight.detach() for n in norms] + [t for m in linears for t in m.weight.decode_operands()]
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return LayerSpec(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                         *(m.weight for m in linears), eps=self.input_layernorm.eps,
+                         activation="silu" if mlp.act is None else "other", qk_norm=attn.q_norm is not None,
+                         bias=any(m.bias is not None for m in linears),
+                         window=attn.attn.window)
 
 
 class LlamaModel(nn.Module):
@@ -124,37 +119,23 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)  # shared by all layers
-        gather = None
-        if cpu_ops.whole_layers and meta.backend is not None and cpu_ops.use_fused(x):
-            gather = meta.backend.decode_gather(meta)
-        if gather is not None and (weights := self._decode_weights()) is not None:
-            return self._decode(x, rope, meta, gather, weights)
+        if (meta.backend is not None and FusedDecoder.applies(x) and (decoder := self._fused()) is not None
+                and (gather := meta.backend.decode_gather(meta)) is not None):
+            return decoder(x, *rope, meta.backend.k_cache, meta.backend.v_cache, meta.slot_mapping, gather)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, meta)
         return self.norm(x, residual)[0]
 
-    def _decode_weights(self) -> torch.ScriptObject | None:
-        """Every layer's decode_weights and the final norm, held in C++ once (packed weights are final
-        after loading); None if a layer has none or the layers differ in their norms' eps."""
-        if not hasattr(self, "_decode_weights_cache"):
-            weights = [layer.decode_weights() for layer in self.layers]
-            eps = {n.eps for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+    def _fused(self) -> FusedDecoder | None:
+        """The CPU's one-call decode step for these layers, asked for once (packed weights are final
+        after loading); None where the kernels do not cover them."""
+        if not hasattr(self, "_decoder"):
             attn = self.layers[0].self_attn.attn
-            self._decode_weights_cache = None
-            final = self.norm.weight.detach()
-            if all(w is not None for w in weights) and eps == {self.norm.eps} and final.dtype == torch.float32:
-                flat = [t for w in weights for t in w] + [final]
-                self._decode_weights_cache = cpu_ops.llama_decode_weights(flat, self.norm.eps, attn.scale,
-                                                                          attn.num_heads, attn.num_kv_heads)
-        return self._decode_weights_cache
-
-    def _decode(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata,
-                gather: DecodeGather, weights: torch.ScriptObject) -> Tensor:
-        """A decode-only CPU step in one call (decode.cpp): the same kernels as the module path,
-        without its Python."""
-        backend = meta.backend
-        return cpu_ops.llama_decode(weights, x, *rope, backend.k_cache, backend.v_cache, meta.slot_mapping, *gather)
+            spec = DecoderSpec([layer.spec() for layer in self.layers], self.norm.weight, self.norm.eps,
+                               attn.scale, attn.num_heads, attn.num_kv_heads)
+            self._decoder = fused_decoder(spec)
+        return self._decoder
 
 
 class LlamaForCausalLM(nn.Module):

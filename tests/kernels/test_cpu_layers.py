@@ -191,3 +191,26 @@ def test_a_decode_step_in_one_call_equals_the_module_path_bit_for_bit(tmp_path, 
         monkeypatch.setattr(cpu_ops, "whole_layers", True)
         assert one_call[1] == modules[1]
         assert all(torch.equal(a, b) for a, b in zip(one_call[0], modules[0], strict=True))
+
+
+def test_the_one_call_decode_is_a_plug_in_the_kernels_choose(tmp_path) -> None:
+    """A model describes its layers; the kernels take a decoder they cover (packed Llama layers) and
+    say why they refuse the others (Qwen2's qkv bias, Qwen3's q/k norms, dense weights)."""
+    from engine import load_model
+    from kernels.cpu.fused_decode import DecoderSpec, FusedDecoder, unsupported
+    from tests.gguf_helpers import write_gguf
+
+    def decoder(arch: str, quantization: str, qtype: str = "Q4_0"):
+        path = tmp_path / f"{arch}-{qtype}.gguf"
+        if not path.exists():
+            write_gguf(path, arch, qtype=qtype, embed_qtype="Q8_0")
+        model = load_model(path, quantization=quantization).model.model
+        spec = model.layers[0].spec()
+        return model._fused(), unsupported(DecoderSpec([spec], model.norm.weight, spec.eps, 1.0, 1, 1))
+
+    fused, why = decoder("llama", "auto")
+    assert isinstance(fused, FusedDecoder) and why is None
+    for arch, quantization, reason in [("qwen2", "auto", "has biases"), ("qwen3", "auto", "has q/k norms"),
+                                       ("llama", "none", "not in our packed blocks")]:
+        fused, why = decoder(arch, quantization)
+        assert fused is None and reason in why, (arch, why)
