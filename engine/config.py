@@ -49,6 +49,7 @@ class EngineConfig:
         self.device, self.dtype, self.quantization, self.attention_backend = (
             d.device, d.dtype, d.quantization, d.attention_backend)
         self.reason = d.reason  # why this dtype and these kernels (EngineInfo shows it)
+        self.kernels = d.kernels
         on_cuda = self.device.startswith("cuda")
         if self.attention_backend == "triton" and not on_cuda:
             from kernels import triton_status

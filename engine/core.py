@@ -57,6 +57,8 @@ class EngineCore:
         if dtype != config.torch_dtype:
             log.info("KV cache in %s, the loaded model's dtype (the config said %s)", dtype, config.dtype)
             config.dtype = str(dtype).removeprefix("torch.")
+        if loaded.dtype_reason:  # the loader's word (a measured bfloat16) over the config's guess
+            config.reason = f"{loaded.dtype_reason}; {config.kernels}"
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         layers, bs, kv_heads, head_dim = loaded.num_layers, config.block_size, loaded.num_kv_heads, loaded.head_dim

@@ -17,6 +17,9 @@ if not _cuda:
 # The suite's expectations (float32 tolerances, the CPU's packed kernels) are the CPU defaults' on every
 # machine: "auto" means the CPU here, and the CUDA tests ask for device="cuda" by name.
 os.environ.setdefault("ROSECHAT_DEVICE", "cpu")
+# ...and float32 on every CPU: a dense load on a CPU with native bfloat16 would otherwise measure both
+# dtypes and might keep bfloat16 (engine/defaults.py); tests of that probe unset this
+os.environ.setdefault("ROSECHAT_DTYPE", "float32")
 
 # Pin the CPU kernels' variant for the whole run (subprocesses included): what the golden traces and
 # bit-for-bit tests assert was computed on it. The AVX2 variant runs on every AVX2 and AVX-512 CPU;

@@ -11,6 +11,7 @@ with the `gguf` package (gguf.py). `transformers` gives the config, tokenizer an
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from engine.weights.routes import kernels_available, route
 from engine.weights.source import ModelSource, generation_defaults, resolve_model
 from kernels.cpu import ops as cpu_ops
 
+log = logging.getLogger(__name__)
 Progress = Callable[[LoadProgress], None]  # how far loading is
 # For a model whose tokenizer has no chat template (a base model): turns as plain labelled lines
 PLAIN_CHAT_TEMPLATE = (
@@ -69,6 +71,7 @@ class LoadedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     generation_source: str = ""
     notice: str = ""  # something about the model a user should be told once (a plain chat template)
+    dtype_reason: str = ""  # why its activations have their dtype (engine/defaults.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,13 +112,16 @@ def load_model(
     if source.kind == "demo":
         return _load_demo(source.name, dtype, device)
     if source.kind == "gguf":
-        return _load_gguf(source, dtype, device, say, quantization, weight_cache)
+        return _load_gguf(source, d, device, say, quantization, weight_cache)
 
     from transformers import AutoConfig, AutoTokenizer
 
     path = source.path
     say("reading the config")
     config = AutoConfig.from_pretrained(path)
+    if quantization not in ("int8", "int4"):  # dense weights: bfloat16 may be worth it on this CPU
+        d = _probe_dtype(d, config, say)
+        dtype = d.torch_dtype
     if quantization in ("int8", "int4"):  # weight-only quantization at load ("auto": as stored)
         net = build_model(config, dtype, torch.device("meta"))
         check_packing(net, quantization, device)
@@ -133,18 +139,37 @@ def load_model(
     loaded = _loaded(net, config, tokenizer, source.display_name, False, _eos_ids(path, config, tokenizer))
     loaded.generation_defaults = generation_defaults(source)
     loaded.generation_source = "generation_config.json" if loaded.generation_defaults else ""
+    loaded.dtype_reason = d.dtype_reason
     return loaded
 
 
+def _probe_dtype(d: defaults.Defaults, config: Any, say: Stages) -> defaults.Defaults:
+    """defaults.probe_cpu_dtype over one decoder layer's matrices (where the CPU has native bfloat16)."""
+    if not d.probe:
+        return d
+    say("measuring bfloat16 against float32")
+    hidden, inter = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    d = defaults.probe_cpu_dtype(d, [(heads * head_dim + 2 * kv, hidden), (hidden, heads * head_dim),
+                                     (2 * inter, hidden), (hidden, inter)])
+    log.info("activations: %s", d.dtype_reason)
+    return d
+
+
 def _load_gguf(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, say: Stages, quantization: str = "none",
+    source: ModelSource, d: defaults.Defaults, device: torch.device, say: Stages, quantization: str = "none",
     weight_cache: bool = True,
 ) -> LoadedModel:
     if source.gguf is None:
         say("reading the file")
     gguf = source.gguf or GGUFModel(source.path)
-    check_gguf_fits(gguf, quantization, dtype.itemsize, str(device))  # before anything large is allocated
+    check_gguf_fits(gguf, quantization, d.torch_dtype.itemsize, str(device))  # before anything large is allocated
     config, tokenizer = gguf.config_and_tokenizer(say)
+    if quantization == "none":  # dequantized to dense weights: bfloat16 may be worth it on this CPU
+        d = _probe_dtype(d, config, say)
+    dtype = d.torch_dtype
     net = build_model(config, dtype, torch.device("meta"))
     raw = plan_packing(net, config, gguf, quantization, device, dtype)
     net = net.to_empty(device=device).requires_grad_(False)
@@ -170,6 +195,7 @@ def _load_gguf(
     loaded = _loaded(net, config, tokenizer, source.display_name, False, list(dict.fromkeys(eos)))
     loaded.generation_defaults = gguf.sampling_defaults()
     loaded.generation_source = "GGUF metadata" if loaded.generation_defaults else ""
+    loaded.dtype_reason = d.dtype_reason
     # Every weight is a copy (packed or dense) and the metadata is read: the file's pages that came
     # back (staged shards, rope_freqs, the header) go too, so the model is resident once.
     if "mapped" in gguf.__dict__:  # mapped (a cold load): a warm one never reads the file's tensors

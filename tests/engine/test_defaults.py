@@ -26,6 +26,7 @@ PINNED_ISA = os.environ.get("ROSECHAT_CPU_ISA")  # tests/conftest.py's
 def _no_forced_isa(monkeypatch) -> None:
     """The suite pins ROSECHAT_CPU_ISA (tests/conftest.py); these tests resolve as a user's launch does."""
     monkeypatch.delenv("ROSECHAT_CPU_ISA", raising=False)
+    monkeypatch.delenv("ROSECHAT_DTYPE", raising=False)
 
 
 @pytest.mark.parametrize("flags", [ZEN3_AVX2, ZEN4_AVX512, SAPPHIRE_AMX], ids=["avx2", "avx512-bf16", "amx"])
@@ -130,3 +131,59 @@ def test_the_default_cpu_pool_holds_a_useful_context(monkeypatch) -> None:
     assert config.resolve_num_blocks(big) == (512 << 20) // big  # a quarter of 2 GiB
     monkeypatch.setenv("ROSECHAT_MEMORY_LIMIT", str(512 << 20))
     assert config.resolve_num_blocks(big) == (256 << 20) // big  # never below the floor
+
+
+def test_rosechat_dtype_says_what_auto_is_on_this_machine(monkeypatch) -> None:
+    monkeypatch.setenv("ROSECHAT_DTYPE", "bf16")
+    d = defaults.resolve(flags=ZEN4_AVX512, cuda=False)
+    assert d.dtype == "bfloat16" and d.dtype_reason.startswith("bfloat16: ROSECHAT_DTYPE") and not d.probe
+    assert defaults.resolve(dtype="float32", flags=ZEN4_AVX512, cuda=False).dtype == "float32"  # asked for wins
+
+
+def test_the_bfloat16_probe_keeps_the_dtype_measured_faster() -> None:
+    """Only on a CPU with native bfloat16, and only where bfloat16 beats float32 by BF16_MARGIN."""
+    asked = []
+
+    def measure(times: dict[torch.dtype, float]):
+        return lambda shapes, dtype: asked.append((tuple(shapes), dtype)) or times[dtype]
+
+    shapes = [(192, 64), (64, 64), (256, 64), (64, 128)]
+    avx2 = defaults.resolve(flags=ZEN3_AVX2, cuda=False)
+    assert defaults.probe_cpu_dtype(avx2, shapes, measure({})) == avx2 and not asked  # nothing measured
+    zen4 = defaults.resolve(flags=ZEN4_AVX512, cuda=False)
+    assert zen4.probe and zen4.dtype == "float32"
+    fast = defaults.probe_cpu_dtype(zen4, shapes, measure({torch.float32: 2.0, torch.bfloat16: 1.0}))
+    assert asked == [(tuple(shapes), torch.float32), (tuple(shapes), torch.bfloat16)]
+    assert fast.dtype == "bfloat16" and "measured 2.00x" in fast.reason and fast.kernels == zen4.kernels
+    slow = defaults.probe_cpu_dtype(zen4, shapes, measure({torch.float32: 1.2, torch.bfloat16: 1.0}))
+    assert slow.dtype == "float32" and "measured 1.20x" in slow.dtype_reason
+    real = defaults.probe_cpu_dtype(zen4, shapes)  # this CPU's own timing: either answer, always a figure
+    assert real.dtype in ("float32", "bfloat16") and "measured" in real.dtype_reason and not real.probe
+
+
+def test_a_dense_load_measures_bfloat16_a_packed_one_does_not(tiny_llama, tmp_path, monkeypatch) -> None:
+    """Through the loader and the engine: the measured dtype is the model's, its KV cache's and the title's."""
+    from engine import LLMEngine, SamplingParams, load_model
+    from tests.gguf_helpers import write_gguf
+
+    if PINNED_ISA:
+        monkeypatch.setenv("ROSECHAT_CPU_ISA", PINNED_ISA)
+    flags = cpu_isa.cpu_flags() | ZEN4_AVX512  # this CPU's, as if it computed bfloat16 natively
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: flags)
+    times = {torch.float32: 2.0, torch.bfloat16: 1.0}
+    measured = []
+    monkeypatch.setattr(defaults, "_time_linears", lambda shapes, dtype: measured.append(dtype) or times[dtype])
+    loaded = load_model(str(tiny_llama))
+    assert loaded.dtype == torch.bfloat16 and measured == [torch.float32, torch.bfloat16]
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=16))
+    assert engine.runner.k_cache.dtype == torch.bfloat16
+    assert engine.info.dtype == "bfloat16" and engine.info.reason.startswith("bfloat16: bfloat16 measured 2.00x")
+    out = engine.generate([[3, 4, 5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 4
+    times[torch.bfloat16] = 1.9  # not worth it
+    assert load_model(str(tiny_llama)).dtype == torch.float32
+    measured.clear()
+    path = tmp_path / "packed.gguf"
+    write_gguf(path, "llama", qtype="Q4_0", embed_qtype="Q8_0")
+    assert load_model(path).dtype == torch.float32 and not measured  # packed: our float32 kernels
+    assert load_model(path, quantization="none").dtype == torch.float32 and measured  # dense: measured
