@@ -169,41 +169,85 @@ def neighbour(threads: int) -> Iterator[subprocess.Popen | None]:
 
 
 def run_decode(model: str, modes: list[str], threads: int, prompt_tokens: int, new_tokens: int,
-               streams: list[int], samplings: tuple[str, ...] = ("greedy",), prompt: str = "random") -> list[dict]:
+               streams: list[int], samplings: tuple[str, ...] = ("greedy",), prompt: str = "random",
+               rounds: int = 1) -> list[dict]:
+    """Each (streams, sampling, system) once per round, rounds outermost: a round's systems and settings
+    run back to back, so its ratios compare runs seconds apart on a machine whose speed drifts."""
     results = []
-    for n in streams:
-        for sampling in samplings:
-            for mode in modes:
-                out = subprocess.run(
-                    [sys.executable, "-c", _CHILD, model, mode, str(threads), str(prompt_tokens), str(new_tokens),
-                     str(n), sampling, prompt], capture_output=True, text=True, timeout=1800)
-                line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-                if out.returncode or not line:
-                    raise RuntimeError(f"{mode}: the child failed:\n{out.stderr[-2000:]}")
-                results.append(json.loads(line[-1][len("RESULT "):]))
+    for r in range(rounds):
+        for n in streams:
+            for sampling in samplings:
+                for mode in modes:
+                    out = subprocess.run(
+                        [sys.executable, "-c", _CHILD, model, mode, str(threads), str(prompt_tokens),
+                         str(new_tokens), str(n), sampling, prompt], capture_output=True, text=True, timeout=1800)
+                    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+                    if out.returncode or not line:
+                        raise RuntimeError(f"{mode}: the child failed:\n{out.stderr[-2000:]}")
+                    results.append({**json.loads(line[-1][len("RESULT "):]), "round": r})
     return results
 
 
-def render_decode(results: list[dict]) -> str:
-    mib = 2**20
-    head = (f"{'system':<14}{'sampling':>10}{'streams':>8}{'load s':>8}{'weights MiB':>13}{'+RssAnon MiB':>14}"
-            f"{'+RSS MiB':>10}{'RSS/file':>10}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs llama.cpp':>14}")
-    lines = [head, "-" * len(head)]
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """One row per (system, sampling, streams): the median decode tok/s over the rounds, and the median
+    with its range of the ratios paired within each round, to llama.cpp ("vs_peer") and to the same
+    system's greedy ("vs_greedy")."""
+    def key(r: dict) -> tuple:
+        return r["mode"], r.get("sampling", "greedy"), r["streams"]
+
+    def of(mode: str, sampling: str, streams: int, rnd: int) -> dict | None:
+        return next((p for p in results if key(p) == (mode, sampling, streams) and p.get("round", 0) == rnd), None)
+
+    rows: dict[tuple, dict] = {}
     for r in results:
+        row = rows.setdefault(key(r), {**r, "runs": [], "vs_peer": [], "vs_greedy": []})
+        row["runs"].append(r["decode_tok_s"])
+        mode, sampling, streams = key(r)
+        peer = of(LLAMA_CPP, sampling, streams, r.get("round", 0))
+        if peer and mode != LLAMA_CPP:
+            row["vs_peer"].append(r["decode_tok_s"] / peer["decode_tok_s"])
+        greedy = of(mode, "greedy", streams, r.get("round", 0))
+        if greedy and sampling != "greedy":
+            row["vs_greedy"].append(r["decode_tok_s"] / greedy["decode_tok_s"])
+    for row in rows.values():
+        row["decode_tok_s"] = round(_median(row["runs"]), 1)
+    return list(rows.values())
+
+
+def _ratio(xs: list[float]) -> str:
+    if not xs:
+        return ""
+    return f"{_median(xs):.2f}x" + (f" ({min(xs):.2f}-{max(xs):.2f})" if len(xs) > 1 else "")
+
+
+def render_decode(results: list[dict]) -> str:
+    """The table: per system, sampling and streams, medians over the rounds (one round: its figures)."""
+    mib = 2**20
+    rows = summarize(results)
+    rounds = max(len(r["runs"]) for r in rows)
+    head = (f"{'system':<14}{'sampling':>10}{'streams':>8}{'load s':>8}{'weights MiB':>13}{'+RssAnon MiB':>14}"
+            f"{'+RSS MiB':>10}{'RSS/file':>10}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs llama.cpp':>22}"
+            f"{'x own greedy':>22}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
         if r["mode"] == LLAMA_CPP and r["streams"] > 1:
             r = {**r, "mode": "llama.cpp seq"}  # its Python API: one sequence at a time
         anon = r["rss_after"]["RssAnon"] - r["rss_before"]["RssAnon"]
         rss = r["rss_after"]["VmRSS"] - r["rss_before"]["VmRSS"]
         weights = r["packed_bytes"] + r["dense_bytes"]
         ratio = rss / r["file_bytes"] if r["file_bytes"] else float("nan")
-        peer = next((p["decode_tok_s"] for p in results if p["mode"] == LLAMA_CPP and p["streams"] == r["streams"]
-                     and p.get("sampling") == r.get("sampling")), None)
-        vs = f"{r['decode_tok_s'] / peer:.2f}x" if peer and not r["mode"].startswith("llama.cpp") else ""
         lines.append(f"{r['mode']:<14}{r.get('sampling', 'greedy'):>10}{r['streams']:>8}{r['load_s']:>8.1f}"
                      f"{weights / mib:>13.0f}{anon / mib:>14.0f}{rss / mib:>10.0f}{ratio:>10.2f}"
-                     f"{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{vs:>14}")
+                     f"{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{_ratio(r['vs_peer']):>22}"
+                     f"{_ratio(r['vs_greedy']):>22}")
     ran = dict.fromkeys(f"  {r['mode']}: {r['ran']}" for r in results if r.get("ran"))
-    return "\n".join([*lines, "what ran:", *ran])
+    note = [f"medians of {rounds} rounds; ratios paired within a round (median, min-max)"] if rounds > 1 else []
+    return "\n".join([*lines, *note, "what ran:", *ran])
 
 
 def main(argv: list[str]) -> int:
@@ -227,6 +271,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-tokens", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--streams", default="1", help="comma-separated numbers of concurrent greedy streams")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run every system and setting N times, interleaved; report medians and the ratios paired "
+                   "within each round (single-stream figures drift by 15-40%% between runs on a shared machine)")
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="run the systems beside another program busy on N threads (torch matmuls)")
     p.add_argument("--json", action="store_true")
@@ -238,7 +285,8 @@ def main(argv: list[str]) -> int:
         modes.append(LLAMA_CPP)
     with neighbour(args.busy):
         results = run_decode(args.model, modes, args.threads, args.prompt_tokens,
-                             args.max_tokens, [int(n) for n in args.streams.split(",")], args.sampling, args.prompt)
+                             args.max_tokens, [int(n) for n in args.streams.split(",")], args.sampling, args.prompt,
+                             max(1, args.rounds))
     load = os.getloadavg()[0]
     if args.json:
         print(json.dumps({"model": args.model, "load1": load, "busy": args.busy, "results": results}))

@@ -44,6 +44,24 @@ def test_decode_runs_each_quantization_in_its_own_process(tmp_path: Path) -> Non
     assert "auto" in quant_decode.render_decode(results)
 
 
+def test_rounds_give_medians_and_ratios_paired_within_a_round() -> None:
+    """A machine whose speed drifts between rounds: each round's ratio compares its own runs."""
+    base = {"streams": 1, "load_s": 1.0, "packed_bytes": 1, "dense_bytes": 0, "file_bytes": 1, "prefill_tok_s": 1.0,
+            "rss_before": {"VmRSS": 0, "RssAnon": 0}, "rss_after": {"VmRSS": 1, "RssAnon": 1}}
+    speed = [1.0, 0.5, 0.8]  # the machine's, per round
+    results = [{**base, "mode": mode, "sampling": sampling, "round": r, "decode_tok_s": tok * speed[r]}
+               for r in range(3) for sampling, scale in (("greedy", 1.0), ("app", 0.9))
+               for mode, tok in (("auto", 130.0 * scale), (quant_decode.LLAMA_CPP, 100.0))]
+    rows = {(r["mode"], r["sampling"]): r for r in quant_decode.summarize(results)}
+    auto, app = rows["auto", "greedy"], rows["auto", "app"]
+    assert auto["decode_tok_s"] == 104.0 and auto["runs"] == [130.0, 65.0, 104.0]  # the median run
+    assert auto["vs_peer"] == pytest.approx([1.3] * 3)  # the drift cancels within each round
+    assert app["vs_greedy"] == pytest.approx([0.9] * 3) and app["vs_peer"] == pytest.approx([1.17] * 3)
+    assert rows[quant_decode.LLAMA_CPP, "app"]["vs_peer"] == []
+    table = quant_decode.render_decode(results)
+    assert "1.30x (1.30-1.30)" in table and "0.90x" in table and "medians of 3 rounds" in table
+
+
 @pytest.mark.skipif(not quant_decode.llama_cpp_available(),
                     reason="llama-cpp-python is an optional extra (.[llamacpp])")
 def test_llama_cpp_runs_as_a_peer_on_the_same_file() -> None:
