@@ -86,13 +86,15 @@ def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], Non
     """(config, tokenizer), converted by transformers once per file and then read back from a
     cache folder: each conversion re-reads the whole file (about 8 s of the 15 s it takes to
     load SmolLM2-135M, for its 49k-token vocabulary)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     folder = _cache_folder(model.path)
-    if folder is not None and (folder / "config.json").is_file():
+    if folder is not None and (folder / _FULL_CONFIG).is_file():
         say("reading the tokenizer")
         try:
-            return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+            # tokenizer.json as saved, through the generic fast class: a model's own tokenizer class may
+            # rebuild it from pieces a GGUF conversion does not save (Gemma's fails on its unk token)
+            return _read_config(folder / _FULL_CONFIG), PreTrainedTokenizerFast.from_pretrained(folder)
         except Exception:  # a damaged cache: convert again
             shutil.rmtree(folder, ignore_errors=True)
     say("converting the tokenizer")
@@ -102,11 +104,28 @@ def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], Non
         tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
         try:
             config.save_pretrained(tmp)
+            config.to_json_file(tmp / _FULL_CONFIG, use_diff=False)
             tokenizer.save_pretrained(tmp)
             os.replace(tmp, folder)  # whole or not at all, also with two rosechats starting
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     return config, tokenizer
+
+
+# Every key of the config, its class's defaults included: read back as a plain PretrainedConfig, it spares a
+# warm load importing the model's config class (LlamaConfig pulls in torch.distributed and accelerate: ~1 s)
+_FULL_CONFIG = "rosechat_config.json"
+
+
+def _read_config(path: Path) -> Any:
+    import json
+
+    from transformers.configuration_utils import PretrainedConfig
+
+    full = json.loads(path.read_text())
+    config = PretrainedConfig.from_dict(full)
+    config.model_type = full["model_type"]  # a class attribute of the model's config class
+    return config
 
 
 def _cache_folder(path: Path) -> Path | None:

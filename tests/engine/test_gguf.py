@@ -208,12 +208,17 @@ def test_a_truncated_file_says_so(gguf_dir: Path, tmp_path: Path) -> None:
         resolve_model(str(cut))
 
 
-def test_config_and_tokenizer_are_converted_once_then_cached(gguf_dir: Path, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_config_and_tokenizer_are_converted_once_then_cached(arch: str, gguf_dir: Path, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """The warm load reads the whole config back as a plain PretrainedConfig (no model config class to
+    import) and computes what the converted one did, Gemma 3's layer pattern and two RoPE bases included."""
     from engine.weights import gguf_config
 
     monkeypatch.setenv("ROSECHAT_CACHE_DIR", str(tmp_path / "cache"))
-    path = gguf_dir / "cached.gguf"
-    _, tok = write_gguf(path, "qwen3", head_dim=32)  # a key transformers' conversion misses
+    path = gguf_dir / f"cached-{arch}.gguf"
+    extra = {"query_pre_attn_scalar": 32} if arch == "gemma3" else {}
+    _, tok = write_gguf(path, arch, head_dim=32, **extra)  # a key transformers' conversion misses
     first = load_model(str(path))
     (folder,) = (tmp_path / "cache" / "gguf").iterdir()
     assert (folder / "config.json").is_file() and folder.name.startswith("cached-")
@@ -224,7 +229,14 @@ def test_config_and_tokenizer_are_converted_once_then_cached(gguf_dir: Path, tmp
     monkeypatch.setattr(gguf_config, "load_config", no_conversion)
     monkeypatch.setattr(gguf_config, "load_tokenizer", no_conversion)
     again = load_model(str(path))
-    assert again.config.head_dim == 32 and again.config.architectures == ["Qwen3ForCausalLM"]
+    from transformers.configuration_utils import PretrainedConfig
+
+    assert type(again.config) is PretrainedConfig and type(first.config) is not PretrainedConfig
+    assert again.config.head_dim == 32 and again.config.architectures == first.config.architectures
+    assert again.config.model_type == first.config.model_type and arch in again.config.model_type
+    skip = ("use_cache", "model_type")  # a generation setting the engine never reads; the class's name, above
+    assert {k: v for k, v in again.config.to_dict().items() if k not in skip} == {
+        k: v for k, v in first.config.to_dict().items() if k not in skip}
     messages = [{"role": "user", "content": "hello there"}]
     render = lambda t: t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # noqa: E731
     assert render(again.tokenizer) == render(first.tokenizer)
