@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_CACHE_VERSION = 1  # bump when what the cache holds changes
+_CACHE_VERSION = 2  # bump when what the cache holds changes (2: rosechat_config.json)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # Gemma's architectures, and their 27B models' depth
 
 
