@@ -5,13 +5,14 @@ cache folder. `model` is a gguf.GGUFModel (its path, arch and field())."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_CACHE_VERSION = 2  # bump when what the cache holds changes (2: rosechat_config.json)
+_CACHE_VERSION = 3  # bump when what the cache holds changes (3: rosechat_config.json)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # Gemma's architectures, and their 27B models' depth
 
 
@@ -104,7 +105,8 @@ def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], Non
         tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
         try:
             config.save_pretrained(tmp)
-            config.to_json_file(tmp / _FULL_CONFIG, use_diff=False)
+            full = {**config.to_dict(), _ALIASES: dict(type(config).attribute_map)}
+            (tmp / _FULL_CONFIG).write_text(json.dumps(full, indent=1, default=str))
             tokenizer.save_pretrained(tmp)
             os.replace(tmp, folder)  # whole or not at all, also with two rosechats starting
         except OSError:
@@ -117,14 +119,18 @@ def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], Non
 _FULL_CONFIG = "rosechat_config.json"
 
 
-def _read_config(path: Path) -> Any:
-    import json
+_ALIASES = "rosechat_attribute_map"  # the class's aliases (GPT-2's hidden_size is n_embd)
 
+
+def _read_config(path: Path) -> Any:
     from transformers.configuration_utils import PretrainedConfig
 
     full = json.loads(path.read_text())
+    aliases = full.pop(_ALIASES)
     config = PretrainedConfig.from_dict(full)
-    config.model_type = full["model_type"]  # a class attribute of the model's config class
+    config.model_type = full["model_type"]  # class attributes of the model's config class
+    for alias, name in aliases.items():
+        setattr(config, alias, getattr(config, name))
     return config
 
 
