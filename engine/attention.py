@@ -3,19 +3,21 @@ builder + forward), the per-step metadata, and a weightless Attention layer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+from engine.kv_groups import KVLayout
 from kernels import DecodePlan, paged_decode_attention, paged_prefill_attention, write_kv
 
 
 @dataclass
 class AttentionMetadata:
     """Built once per step by the model runner, shared by every layer. Tokens are packed decodes first (one
-    per sequence), then the new tokens of each prefill."""
+    per sequence), then the new tokens of each prefill. Slots, block tables and the gather plan are the first
+    KV cache group's; a layer of another group reads its group's view (see `view`)."""
 
     slot_mapping: Tensor  # [T] int64: slot of every new token, -1 = do not write
     num_decode_tokens: int
@@ -27,6 +29,15 @@ class AttentionMetadata:
     backend: AttentionBackend | None = None  # the pool and kernels these tensors index
     # the CPU decodes' gather plan: blocks several decodes start with (a system prompt) are attended once
     decode_plan: DecodePlan | None = None
+    group_views: list[AttentionMetadata] | None = None  # per KV cache group (engine/kv_groups.py), when several
+
+    def view(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of `group` attends with: its group's slots and block tables."""
+        return self.group_views[group] if self.group_views else self
+
+    def with_group(self, **tables) -> AttentionMetadata:
+        """Another group's view: these tables (slot_mapping, block tables, decode_plan), the rest shared."""
+        return replace(self, group_views=None, **tables)
 
 
 class DecodeGather(NamedTuple):
@@ -44,10 +55,12 @@ class AttentionBackend:
     """The paged attention of one KV pool, built once: the kernels chosen at start-up and the
     pool's per-layer caches, passed explicitly to every kernel call (never stored on modules)."""
 
-    def __init__(self, k_cache: Tensor, v_cache: Tensor, kernels: str | None) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache  # [num_layers, num_blocks, block_size, kv_heads, head_dim]
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, kernels: str | None, layout: KVLayout | None = None) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [slots, num_blocks, block_size, kv_heads, head_dim]
         self.kernels = kernels  # "torch" / "triton" / None (kernels/ picks by device)
-        self.layers = [(k_cache[i], v_cache[i]) for i in range(k_cache.shape[0])]
+        # without a layout: one group, layer i in slot i (a plain paged cache)
+        self.layout = layout or KVLayout.of([None] * k_cache.shape[0])
+        self.layers = [(k_cache[s], v_cache[s]) for s in self.layout.layer_slot]
 
     def metadata(self, **fields) -> AttentionMetadata:
         return AttentionMetadata(backend=self, **fields)
@@ -56,8 +69,9 @@ class AttentionBackend:
         """The step's gather plan as a whole-layer decode op takes it, when every token of the step is
         a decode the CPU kernel attends in one chunk (else None)."""
         plan = meta.decode_plan
-        if (plan is None or self.kernels == "triton" or plan.too_long or len(plan.chunks) != 1
-                or meta.num_decode_tokens != meta.slot_mapping.shape[0] or plan.chunks[0].seqs is not None):
+        if (plan is None or self.kernels == "triton" or self.layout.num_groups > 1 or plan.too_long
+                or len(plan.chunks) != 1 or meta.num_decode_tokens != meta.slot_mapping.shape[0]
+                or plan.chunks[0].seqs is not None):
             return None
         chunk, empty = plan.chunks[0], torch.empty(0, dtype=torch.long)
         return DecodeGather(chunk.slots.view(chunk.n, chunk.L), chunk.counts,
@@ -68,9 +82,10 @@ class AttentionBackend:
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, meta: AttentionMetadata,
                 window: int | None = None, softcap: float | None = None) -> Tensor:
         """Write this step's K/V into their slots, then attend: decodes first, then prefills.
-        window: a sliding-window layer's (keys > position - window only; every block stays in the
-        pool, the kernels skip what is out of the window); softcap: scores = tanh(s / cap) * cap."""
+        window: a sliding-window layer's (keys > position - window only; its group's blocks wholly out
+        of the window are the null block, which the kernels never attend); softcap: scores = tanh(s / cap) * cap."""
         k_cache, v_cache = self.layers[layer]
+        meta = meta.view(self.layout.layer_group[layer])
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:

@@ -16,6 +16,7 @@ import torch
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
 from engine.events import CacheSnapshot, EngineInfo, StepStats
+from engine.kv_groups import KVLayout
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.requests import ContextLengthError, RequestError, validate
@@ -61,17 +62,19 @@ class EngineCore:
             config.reason = f"{loaded.dtype_reason}; {config.kernels}"
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        layers, bs, kv_heads, head_dim = loaded.num_layers, config.block_size, loaded.num_kv_heads, loaded.head_dim
-        self.kv_block_bytes = 2 * layers * bs * kv_heads * head_dim * dtype.itemsize  # K and V, all layers
+        # sliding-window layers get a KV cache group of their own (engine/kv_groups.py); a block holds one per page
+        self.kv_layout = layout = KVLayout.of([a.window for a in loaded.model.attention_layers()])
+        slots, bs, kv_heads, head_dim = layout.slots, config.block_size, loaded.num_kv_heads, loaded.head_dim
+        self.kv_block_bytes = 2 * slots * bs * kv_heads * head_dim * dtype.itemsize  # K and V, a page's layers
         num_blocks = config.resolve_num_blocks(self.kv_block_bytes)
         say(f"allocating the KV pool ({num_blocks} blocks of {config.block_size} tokens)")
-        self.max_model_len = min(loaded.max_model_len, num_blocks * bs)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, layout.windows)
+        self.max_model_len = min(loaded.max_model_len, self.block_manager.num_usable_blocks // layout.num_groups * bs)
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    NgramProposer(spec) if spec else None, self.max_model_len)
-        kv_shape = (layers, num_blocks, bs, kv_heads, head_dim)
-        self.runner = ModelRunner(loaded.model, kv_shape, dtype, device, config.attention_backend)
+        kv_shape = (slots, num_blocks, bs, kv_heads, head_dim)
+        self.runner = ModelRunner(loaded.model, kv_shape, dtype, device, config.attention_backend, layout)
         if config.cuda_graphs:
             self.runner.capture_decode_graphs(config.max_num_seqs, cdiv(self.max_model_len, bs))
         self.sampler = Sampler()
@@ -113,7 +116,7 @@ class EngineCore:
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         validate(token_ids, params, self.max_model_len, self.loaded.config.vocab_size, self.config.max_num_seqs,
-                 self.block_manager.num_blocks, self.config.block_size)
+                 self.block_manager.num_usable_blocks // self.kv_layout.num_groups, self.config.block_size)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -372,4 +375,5 @@ class EngineCore:
             constrained=tuple(sorted({s.owner for g in self.groups.values() if g.grammar is not None for s in g.seqs})),
             spec_drafts=sched.spec_steps, spec_draft_tokens=sched.spec_draft_tokens,
             spec_accepted_tokens=sched.spec_accepted_tokens, spec_accepted_per_pos=tuple(sched.spec_accepted_per_pos),
+            group=tuple(bm.block_groups()), group_names=self.kv_layout.names(),
         )  # fmt: skip

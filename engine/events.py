@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-FREE, CACHED, USED = 0, 1, 2  # per-block state in a CacheSnapshot
+FREE, CACHED, USED, NULL = 0, 1, 2, 3  # per-block state in a CacheSnapshot (NULL: the windowed groups' null block)
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,10 @@ class CacheSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # KV cache groups (a model with sliding-window layers has a full and a windowed one): per block the group
+    # whose layers it holds (-1: free), and each group's name; one group: ("full",)
+    group: tuple[int, ...] = ()
+    group_names: tuple[str, ...] = ("full",)
 
     @property
     def used_blocks(self) -> int:

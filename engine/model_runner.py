@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs, build_decode_graphs
+from engine.kv_groups import KVLayout
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from kernels import DecodePlan, SharedPrefix, copy_blocks, plan_decode
@@ -46,14 +47,16 @@ def find_shared_prefixes(tables: list[list[int]], context_lens: list[int],
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, backend: str) -> None:  # fmt: skip
+                 device: torch.device, backend: str, layout: KVLayout | None = None) -> None:  # fmt: skip
         self.model, self.device, self.backend = model, device, backend
         self.block_size = kv_shape[2]
         assert self.block_size & (self.block_size - 1) == 0, "block sizes are powers of two (slots use shifts)"
-        # One pool for all layers (a block id is valid in every layer): [layers, blocks, block_size, heads, dim]
+        # One pool of pages, a block id valid in every slot: [slots, blocks, block_size, heads, dim]. A slot is a
+        # layer of each KV cache group (one group: every layer has its own slot).
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
-        self.attention = AttentionBackend(self.k_cache, self.v_cache, backend)
+        self.attention = AttentionBackend(self.k_cache, self.v_cache, backend, layout)
+        self.windows = self.attention.layout.windows  # per group
         self.graphs: DecodeGraphs | None = None
         # decodes attended by the PyTorch kernels (fp32/fp64 cache) get a gather plan built once per step
         self.plans_decodes = backend == "torch" and dtype in (torch.float32, torch.float64)
@@ -61,7 +64,7 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Record decode steps as CUDA graphs (CUDA with the Triton kernels only; else a no-op)."""
-        if self.device.type == "cuda" and self.backend == "triton":
+        if self.device.type == "cuda" and self.backend == "triton" and len(self.windows) == 1:
             self.graphs = build_decode_graphs(
                 self.model, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
                 device=self.device, attention=self.attention,
@@ -88,12 +91,10 @@ class ModelRunner:
         for s, c, n in zip(seqs, starts, counts):
             ids += s.token_ids[c : c + n]
         max_blocks = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.int64)
         start_t = torch.tensor(starts, dtype=torch.int64)
         count_t = torch.tensor(counts, dtype=torch.int64)
-        block_tables = torch.tensor(tables, dtype=torch.int32)
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
         torch.cumsum(count_t, 0, out=cu[1:])
         token_index = torch.arange(len(ids))
@@ -101,23 +102,34 @@ class ModelRunner:
         seq_of_token = torch.searchsorted(cu[1:], token_index, right=True)
         positions = start_t[seq_of_token] + token_index - cu[seq_of_token]
         shift = self.block_size.bit_length() - 1  # block sizes are powers of two: shifts beat // and %
-        slots = (block_tables[seq_of_token, positions >> shift].long() << shift) | (positions & (self.block_size - 1))
+        in_block = positions & (self.block_size - 1)
         context_lens = (start_t + count_t).to(torch.int32)
         # Only sequences whose last token is in this batch produce logits (not mid-prompt chunks).
         samples = [i for i, s in enumerate(seqs) if starts[i] + counts[i] == len(s)]
         logits_index = cu[1:][samples] - 1
         ndt = int(cu[nd])  # decode rows: one per token of the decoding sequences
-        decode_tables = block_tables[:nd] if ndt == nd else block_tables[seq_of_token[:ndt]]
         decode_lens = (positions[:ndt] + 1).to(torch.int32)
-        meta = self.attention.metadata(
-            slot_mapping=slots.to(dev), num_decode_tokens=ndt,
-            decode_block_tables=decode_tables.to(dev), decode_context_lens=decode_lens.to(dev),
-            prefill_block_tables=block_tables[nd:].to(dev), prefill_context_lens=context_lens[nd:].to(dev),
-            prefill_cu_seqlens_q=(cu[nd:] - cu[nd]).to(torch.int32).to(dev),
-        )  # fmt: skip
-        if ndt and self.plans_decodes:
-            rows = [tables[i] for i in seq_of_token[:ndt].tolist()]
-            meta.decode_plan = self._plan_decode(rows, decode_lens.tolist(), meta)
+        views = []
+        for g, window in enumerate(self.windows):  # each KV cache group's slots and block tables
+            tables = [s.block_tables[g] + [0] * (max_blocks - len(s.block_tables[g])) for s in seqs]
+            block_tables = torch.tensor(tables, dtype=torch.int32)
+            slots = (block_tables[seq_of_token, positions >> shift].long() << shift) | in_block
+            decode_tables = block_tables[:nd] if ndt == nd else block_tables[seq_of_token[:ndt]]
+            tensors = dict(slot_mapping=slots.to(dev), decode_block_tables=decode_tables.to(dev),
+                           prefill_block_tables=block_tables[nd:].to(dev))
+            if not views:
+                views.append(self.attention.metadata(
+                    num_decode_tokens=ndt, decode_context_lens=decode_lens.to(dev),
+                    prefill_context_lens=context_lens[nd:].to(dev),
+                    prefill_cu_seqlens_q=(cu[nd:] - cu[nd]).to(torch.int32).to(dev), **tensors,
+                ))  # fmt: skip
+            else:
+                views.append(views[0].with_group(**tensors))
+            if ndt and self.plans_decodes:
+                rows = [tables[i] for i in seq_of_token[:ndt].tolist()]
+                views[g].decode_plan = self._plan_decode(rows, decode_lens.tolist(), views[g], window)
+        meta = views[0]
+        meta.group_views = views if len(views) > 1 else None
         return input_ids.to(dev), positions.to(dev), meta, logits_index.to(dev)
 
     def _prepare_decodes(self, seqs: list[Sequence]) -> StepInputs:
@@ -128,33 +140,40 @@ class ModelRunner:
         pos = [s.num_computed_tokens for s in seqs]
         ctx = [p + 1 for p in pos]
         max_blocks = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        groups = [[s.block_tables[g] + [0] * (max_blocks - len(s.block_tables[g])) for s in seqs]
+                  for g in range(len(self.windows))]  # fmt: skip
         ints = torch.tensor([
-            [s.token_ids[p] for s, p in zip(seqs, pos)], pos,
-            [(t[p >> shift] << shift) | (p & (bs - 1)) for t, p in zip(tables, pos)],  # slots
-            ctx,
+            [s.token_ids[p] for s, p in zip(seqs, pos)], pos, ctx,
             list(range(len(seqs))),  # every row samples: its token is its sequence's last
+            *([(t[p >> shift] << shift) | (p & (bs - 1)) for t, p in zip(tables, pos)] for tables in groups),  # slots
         ], dtype=torch.int64).to(dev)
-        input_ids, positions, slots, context_lens, logits_index = ints
-        block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
-        meta = self.attention.metadata(
-            slot_mapping=slots, num_decode_tokens=len(seqs), decode_block_tables=block_tables,
-            decode_context_lens=context_lens.to(torch.int32), prefill_block_tables=block_tables[:0],
-            prefill_context_lens=context_lens[:0].to(torch.int32),
-            prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=dev),
-        )  # fmt: skip
-        if self.plans_decodes:
-            meta.decode_plan = self._plan_decode(tables, ctx, meta)
+        input_ids, positions, context_lens, logits_index = ints[:4]
+        views = []
+        for g, (tables, window) in enumerate(zip(groups, self.windows)):  # each KV cache group's slots and tables
+            block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
+            tensors = dict(slot_mapping=ints[4 + g], decode_block_tables=block_tables,
+                           prefill_block_tables=block_tables[:0])
+            views.append(views[0].with_group(**tensors) if views else self.attention.metadata(
+                num_decode_tokens=len(seqs), decode_context_lens=context_lens.to(torch.int32),
+                prefill_context_lens=context_lens[:0].to(torch.int32),
+                prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=dev), **tensors,
+            ))  # fmt: skip
+            if self.plans_decodes:
+                views[g].decode_plan = self._plan_decode(tables, ctx, views[g], window)
+        meta = views[0]
+        meta.group_views = views if len(views) > 1 else None
         return input_ids, positions, meta, logits_index
 
-    def _plan_decode(self, tables: list[list[int]], context_lens: list[int], meta: AttentionMetadata) -> DecodePlan:
-        """The PyTorch attention's gather plan for the decodes, shared by every layer, with the
-        blocks that several decodes start with attended once per group."""
+    def _plan_decode(self, tables: list[list[int]], context_lens: list[int], meta: AttentionMetadata,
+                     window: int | None = None) -> DecodePlan:  # fmt: skip
+        """The PyTorch attention's gather plan for the decodes, shared by every layer of a KV cache group, with
+        the blocks that several decodes start with attended once per group (not in a windowed group: its
+        tables start with the null block, and its attention honours the window, not a shared prefix)."""
         dev = self.device
-        shared = [
+        shared = [] if window else [
             SharedPrefix(torch.tensor(members, device=dev), torch.tensor(tables[members[0]][:n], device=dev))
             for members, n in find_shared_prefixes(tables, context_lens, self.block_size)
-        ]
+        ]  # fmt: skip
         _, _, bs, kv_heads, head_dim = self.k_cache.shape
         return plan_decode(meta.decode_block_tables, meta.decode_context_lens, bs, kv_heads * head_dim,
                            self.k_cache.dtype, shared)

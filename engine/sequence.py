@@ -120,7 +120,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # prefix-cache chain hash per full block (BlockManager.block_hash)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]  # per KV cache group (engine/kv_groups.py), the same length each
         self.pending_hashes: list[bytes] = []  # prefix-cache hashes of blocks it was admitted to compute
         self.status = SequenceStatus.WAITING
         self.group = group
@@ -139,6 +139,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV cache group's block table (a model without sliding windows has only that one)."""
+        return self.block_tables[0]
 
     @property
     def num_output_tokens(self) -> int:

@@ -3,6 +3,8 @@
 A fake KV pool stores, per slot, the token id that was "computed" there. After every rule the
 test checks that each sequence reads its own tokens back through its block table: this catches
 a write into a shared block, a wrong copy-on-write, a bad prefix-cache hit, a leak or a double free.
+The machine runs on one full-attention group, and on a full plus a sliding-window group (Gemma's
+layout), where a windowed table must read back the tokens its next query's window sees.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine import block_manager
 from engine.block_manager import BlockManager, block_hash, chain_root
+from engine.kv_groups import first_needed_block
 from engine.sequence import Sequence
 
 BS = 4
@@ -25,12 +28,15 @@ VOCAB = 3  # a tiny vocabulary makes shared prefixes (and prefix-cache hits) fre
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    WINDOWS: tuple[int | None, ...] = (None,)  # per KV cache group
+
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True)
+        self.bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True, windows=self.WINDOWS)
         self.kv = [[None] * BS for _ in range(NUM_BLOCKS)]  # fake pool: token id per slot
         self.seqs: list[Sequence] = []
         self.hash_tokens: dict[bytes, list[int]] = {}  # what each registered hash was computed from
+        self.step_start: dict[int, int] = {}  # seq_id -> its computed tokens when its latest step began
 
     # -------------------------------------------------------------- helpers
     def _compute(self, seq: Sequence, n: int) -> None:
@@ -39,17 +45,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.kv[dst] = list(self.kv[src])
         self.bm.pending_copies.clear()
         c = seq.num_computed_tokens
-        for pos in range(c, c + n):
-            block_id = seq.block_table[pos // BS]
-            assert self.bm.blocks[block_id].ref_count == 1, "write into a shared block"
-            self.kv[block_id][pos % BS] = seq.token_ids[pos]
+        for table in seq.block_tables:
+            for pos in range(c, c + n):
+                block_id = table[pos // BS]
+                assert self.bm.blocks[block_id].ref_count == 1, "write into a shared block"
+                assert block_id != self.bm.null_block, "write into the null block"
+                self.kv[block_id][pos % BS] = seq.token_ids[pos]
         seq.num_computed_tokens = c + n
+        self.step_start[seq.seq_id] = c
         self.bm.cache_full_blocks(seq, c)
-        for j in range(seq.num_computed_tokens // BS):
-            h = self.bm.blocks[seq.block_table[j]].hash
-            if h is not None:
-                tokens = seq.token_ids[j * BS : (j + 1) * BS]
-                assert self.hash_tokens.setdefault(h, tokens) == tokens, "one hash names two blocks of tokens"
+        for table in seq.block_tables:
+            for j in range(seq.num_computed_tokens // BS):
+                h = self.bm.blocks[table[j]].hash
+                if h is not None:
+                    tokens = seq.token_ids[j * BS : (j + 1) * BS]
+                    assert self.hash_tokens.setdefault(h, tokens) == tokens, "one hash names two blocks of tokens"
 
     # -------------------------------------------------------------- rules
     @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
@@ -119,14 +129,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self) -> None:
         self.bm.check_invariants()  # every block exactly one of free / cached-free / held; refcounts
-        assert self.bm.num_free_blocks + sum(b.ref_count > 0 for b in self.bm.blocks) == NUM_BLOCKS
+        assert self.bm.num_free_blocks + sum(b.ref_count > 0 for b in self.bm.blocks) == self.bm.num_usable_blocks
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self) -> None:
+        """Every position in the window of the next token, in each group (a full group: all of them)."""
         for seq in self.seqs:
-            for pos in range(seq.num_computed_tokens):
-                block_id = seq.block_table[pos // BS]
-                assert self.kv[block_id][pos % BS] == seq.token_ids[pos], f"{seq} reads a wrong token at {pos}"
+            c = seq.num_computed_tokens
+            for table, window in zip(seq.block_tables, self.bm.windows):
+                for pos in range(first_needed_block(c, window, BS) * BS, c):
+                    block_id = table[pos // BS]
+                    assert self.kv[block_id][pos % BS] == seq.token_ids[pos], f"{seq} reads a wrong token at {pos}"
+
+    @invariant()
+    def a_window_holds_only_what_it_sees(self) -> None:
+        """A windowed table holds no block the window of its latest step's first token had left (they went back
+        before the step); a prompt computed in one step holds all its blocks until its next step."""
+        for seq in self.seqs:
+            start = min(self.step_start.get(seq.seq_id, 0), seq.num_computed_tokens)
+            for table, window in zip(seq.block_tables, self.bm.windows):
+                gone = first_needed_block(start, window, BS)
+                assert all(b == self.bm.null_block for b in table[:gone]), f"{seq} holds blocks out of its window"
 
     @invariant()
     def cached_blocks_hold_their_tokens(self) -> None:
@@ -138,15 +161,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def salts_never_share_a_block(self) -> None:
         salts: dict[int, set[str | None]] = {}
         for seq in self.seqs:
-            for block_id in seq.block_table:
+            for block_id in (b for t in seq.block_tables for b in t if b != self.bm.null_block):
                 salts.setdefault(block_id, set()).add(seq.cache_salt)
         assert all(len(s) == 1 for s in salts.values()), salts
 
 
+class WindowedBlockManagerMachine(BlockManagerMachine):
+    WINDOWS = (None, 6)  # a full group and a window of 6 tokens (1.5 blocks)
+
+
 TestBlockManager = BlockManagerMachine.TestCase
-TestBlockManager.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+TestWindowedBlockManager = WindowedBlockManagerMachine.TestCase
+for _case in (TestBlockManager, TestWindowedBlockManager):
+    _case.settings = settings(
+        max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
 
 
 def test_prefix_cache_hit_and_lru_eviction() -> None:
