@@ -64,6 +64,14 @@ class CacheSnapshot:
     def blocks_saved(self) -> int:
         return self.blocks_without_sharing - self.used_blocks
 
+    def group_blocks(self) -> list[int]:
+        """Per KV cache group: the blocks it holds (used), as the visualiser's legend counts them."""
+        counts = [0] * len(self.group_names)
+        for g, st in zip(self.group, self.state):
+            if st == USED and 0 <= g < len(counts):
+                counts[g] += 1
+        return counts
+
     @property
     def hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -372,7 +372,8 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
         if snap is None:
             raise APIError(503, "no cache snapshot yet", code="not_ready")
         return {"num_blocks": snap.num_blocks, "block_size": snap.block_size, "state": list(snap.state),
-                "state_names": ["free", "cached", "used"], "refcount": list(snap.refcount),
+                "state_names": ["free", "cached", "used", "null"], "refcount": list(snap.refcount),
+                "group": list(snap.group), "group_names": list(snap.group_names),
                 "owners": [list(o) for o in snap.owners], "used_blocks": snap.used_blocks,
                 "cached_blocks": snap.cached_blocks, "free_blocks": snap.free_blocks,
                 "shared_blocks": snap.shared_blocks, "blocks_saved": snap.blocks_saved,

@@ -87,6 +87,9 @@ def test_a_long_generation_holds_the_window_only(gemma2) -> None:
             peak_window = max(peak_window, len(held))
             if seq.num_output_tokens > 1:  # decoding: the window of 8 covers at most 3 blocks of 4, + 1 written
                 assert len(held) <= cdiv(WINDOW, BS) + 1
+                if seq.num_output_tokens == 100:  # the visualiser's view: the window's blocks came back, cached
+                    snap = eng.cache_snapshot()
+                    assert snap.group_blocks() == [len(full), len(held)] and snap.cached_blocks >= 20
         peak_used = max(peak_used, bm.num_usable_blocks - bm.num_free_blocks)
         bm.check_invariants()
     tokens = cdiv(len(prompt) + 150, BS)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from textual.app import App, ComposeResult
 
-from engine.events import CACHED, FREE, USED, CacheSnapshot
-from rosechat.widgets.kv_panel import K_CACHED, K_FREE, K_SHARED, K_USED, KVPanel, OwnerStyle, group_cells, stats_text
+from engine.events import CACHED, FREE, NULL, USED, CacheSnapshot
+from rosechat.widgets.kv_panel import (K_CACHED, K_FREE, K_NULL, K_SHARED, K_USED, KVPanel, OwnerStyle, group_cells,
+                                       legend_text, stats_text)
 
 
 def synthetic_snapshot(num_blocks: int = 160) -> CacheSnapshot:
@@ -118,3 +119,36 @@ def test_stats_text_says_how_many_guesses_stand() -> None:
                          spec_accepted_tokens=25)
     assert "guesses     62% kept (3.5 tok/check)" in stats_text(snap).plain
     assert "guesses" not in stats_text(CacheSnapshot(4, 16, (0,) * 4, (0,) * 4, ((),) * 4)).plain
+
+
+def windowed_snapshot() -> CacheSnapshot:
+    """A sliding-window model's pool: the null block, one chat's full group (blocks 1-10) and its windowed
+    group's blocks in the window (11-13), blocks the window left cached (14-15), the rest free."""
+    n = 24
+    state = [NULL] + [USED] * 13 + [CACHED] * 2 + [FREE] * 8
+    group = [-1] + [0] * 10 + [1] * 5 + [-1] * 8
+    owners = [()] + [("conv-a",)] * 13 + [()] * 10
+    refcount = [0] + [1] * 13 + [0] * 10
+    return CacheSnapshot(num_blocks=n, block_size=16, state=tuple(state), refcount=tuple(refcount),
+                         owners=tuple(owners), group=tuple(group), group_names=("full", "window 512"))
+
+
+def test_windowed_groups_have_their_own_glyphs_counts_and_legend() -> None:
+    snap = windowed_snapshot()
+    _, cells = group_cells(snap, capacity=100)
+    assert cells[0].kind == K_NULL and cells[5].group == 0 and cells[12].group == 1
+    assert cells[14].kind == K_CACHED and cells[14].group == 1
+    assert snap.group_blocks() == [10, 3] and snap.free_blocks == 8 and snap.used_blocks == 13
+    assert "groups      █ full 10 · ▓ window 512: 3" in stats_text(snap).plain
+    assert "groups" not in stats_text(synthetic_snapshot()).plain  # one group: nothing to tell apart
+    legend = legend_text(snap, OWNERS).plain
+    assert "█ full" in legend and "▓ window 512" in legend and "× null" in legend
+    assert "window" not in legend_text(synthetic_snapshot(), OWNERS).plain
+
+
+async def test_panel_draws_the_window_and_its_null_block() -> None:
+    app = PanelApp(windowed_snapshot())
+    async with app.run_test(size=(100, 16)) as pilot:
+        await pilot.pause()
+        row = app.query_one("#kv-map").render_line(0).text
+        assert row.startswith("× █ █") and "▓ ▓ ▓ ░ ░ · " in row

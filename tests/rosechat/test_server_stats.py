@@ -102,3 +102,6 @@ def test_a_rosechat_block_map_becomes_the_panels_snapshot() -> None:
     back = snapshot_from_json(dataclasses.asdict(snap) | {"unknown_future_field": 1})
     assert back.owners == snap.owners and back.state == snap.state and back.shared_blocks == 1
     assert back.hit_rate == 0.5 and back.time != 123.0
+    windowed = dataclasses.replace(snap, state=(3, 2, 2, 0), group=(-1, 0, 1, -1), group_names=("full", "window 8"))
+    back = snapshot_from_json(dataclasses.asdict(windowed))  # a sliding-window model's two KV cache groups
+    assert back.group == (-1, 0, 1, -1) and back.group_names == ("full", "window 8") and back.group_blocks() == [1, 1]
