@@ -167,3 +167,18 @@ def test_speculation_and_conversation_turns_on_a_windowed_model(gemma2) -> None:
     second = list(_drain(spec).values())[0]
     assert second.outputs[0].token_ids == _alone(gemma2, history, params)
     assert second.usage.prefilled_tokens <= 2 + BS
+
+
+def test_triton_kernels_never_read_the_null_block(gemma2) -> None:
+    """The Triton decode and prefill kernels attend only in-window keys: with the null block poisoned (NaN),
+    two sequences decoding past the window (interpreted on the CPU) still give the PyTorch path's tokens."""
+    pytest.importorskip("triton")
+    prompts = _prompts(6, [13, 22])
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = _engine(gemma2, 64).generate(prompts, params)
+    eng = _engine(gemma2, 64, attention_backend="triton")
+    assert eng.block_manager.null_block == 0
+    eng.runner.k_cache[:, 0] = float("nan")
+    eng.runner.v_cache[:, 0] = float("nan")
+    got = eng.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

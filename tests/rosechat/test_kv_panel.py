@@ -5,8 +5,18 @@ from __future__ import annotations
 from textual.app import App, ComposeResult
 
 from engine.events import CACHED, FREE, NULL, USED, CacheSnapshot
-from rosechat.widgets.kv_panel import (K_CACHED, K_FREE, K_NULL, K_SHARED, K_USED, KVPanel, OwnerStyle, group_cells,
-                                       legend_text, stats_text)
+from rosechat.widgets.kv_panel import (
+    K_CACHED,
+    K_FREE,
+    K_NULL,
+    K_SHARED,
+    K_USED,
+    KVPanel,
+    OwnerStyle,
+    group_cells,
+    legend_text,
+    stats_text,
+)
 
 
 def synthetic_snapshot(num_blocks: int = 160) -> CacheSnapshot:
