@@ -375,5 +375,6 @@ class EngineCore:
             constrained=tuple(sorted({s.owner for g in self.groups.values() if g.grammar is not None for s in g.seqs})),
             spec_drafts=sched.spec_steps, spec_draft_tokens=sched.spec_draft_tokens,
             spec_accepted_tokens=sched.spec_accepted_tokens, spec_accepted_per_pos=tuple(sched.spec_accepted_per_pos),
-            group=tuple(bm.block_groups()), group_names=self.kv_layout.names(),
+            **(dict(group=tuple(bm.block_groups()), group_names=self.kv_layout.names())
+               if self.kv_layout.num_groups > 1 else {}),
         )  # fmt: skip

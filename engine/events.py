@@ -34,10 +34,10 @@ class CacheSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
-    # KV cache groups (a model with sliding-window layers has a full and a windowed one): per block the group
-    # whose layers it holds (-1: free), and each group's name; one group: ("full",)
+    # KV cache groups, where a model has several (sliding-window layers: a full and a windowed one): per block the
+    # group whose layers it holds (-1: free), and each group's name; both empty for a model of one group
     group: tuple[int, ...] = ()
-    group_names: tuple[str, ...] = ("full",)
+    group_names: tuple[str, ...] = ()
 
     @property
     def used_blocks(self) -> int:
@@ -186,7 +186,7 @@ class EngineInfo:
     max_model_len: int
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's own sampling settings
     generation_source: str = ""  # "generation_config.json", "GGUF metadata" or "" (none)
-    kv_block_bytes: int = 0  # one block's K and V, all layers
+    kv_block_bytes: int = 0  # one block's K and V, all layers of its page (all layers with no sliding window)
     reason: str = ""  # why this dtype and these kernels (engine/defaults.py)
     quantization: str = ""  # what load_model was asked for ("auto": as the file has them)
     kernels: str = ""  # what runs the CPU math: "rosechat avx2 (...)" or "torch (why)"; "cuda" on a GPU

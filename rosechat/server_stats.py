@@ -90,7 +90,7 @@ def snapshot_from_json(data: dict[str, Any]) -> CacheSnapshot:
     values["owners"] = tuple(tuple(o) for o in values["owners"])
     values["constrained"] = tuple(values.get("constrained", ()))
     values["group"] = tuple(values.get("group", ()))
-    values["group_names"] = tuple(values.get("group_names", ("full",)))
+    values["group_names"] = tuple(values.get("group_names", ()))
     values["spec_accepted_per_pos"] = tuple(values.get("spec_accepted_per_pos", ()))
     values["time"] = time.monotonic()  # the server's clock means nothing here
     return CacheSnapshot(**values)
