@@ -126,7 +126,7 @@ def load_model(
         net = build_model(config, dtype, torch.device("meta"))
         check_packing(net, quantization, device)
         swap_in_packed(net, {name: quantization for name in packable_modules(net)}, dtype, device)
-        net = net.to_empty(device=device).requires_grad_(False)
+        net = to_empty(net, device).requires_grad_(False)
     else:
         net = build_model(config, dtype, device)
     say("loading weights")
@@ -172,7 +172,7 @@ def _load_gguf(
     dtype = d.torch_dtype
     net = build_model(config, dtype, torch.device("meta"))
     raw = plan_packing(net, config, gguf, quantization, device, dtype)
-    net = net.to_empty(device=device).requires_grad_(False)
+    net = to_empty(net, device).requires_grad_(False)
     # packed for our CPU kernels: the repacked tensors are worth keeping (cache.py)
     cacheable = weight_cache and bool(raw) and device.type == "cpu" and route(device) == "rosechat"
     cache = WeightCache.for_file(source.path, quantization, dtype) if cacheable else None
@@ -219,7 +219,13 @@ def build_model(config: Any, dtype: torch.dtype, device: torch.device) -> nn.Mod
     cls = get_model_class(config)
     with torch.device("meta"), _SkipMetaInit():
         model = cls(config)
-    return model.to(dtype).to_empty(device=device).requires_grad_(False)
+    return to_empty(model.to(dtype), device).requires_grad_(False)
+
+
+def to_empty(model: nn.Module, device: torch.device) -> nn.Module:
+    """Module.to_empty without its empty_like of meta tensors, which runs torch's Python reference and so
+    imports sympy (about 1 s and 35 MB of a warm load)."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 class _SkipMetaInit(TorchFunctionMode):

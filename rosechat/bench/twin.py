@@ -22,9 +22,13 @@ def build_twin(loaded: Any, dtype: torch.dtype) -> Any:
 
     Built from the same config, then filled by inverting the engine loader's name mapping
     (`weight_target`): merged q/k/v and gate/up rows are split back into their projections."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype, attn_implementation="sdpa")
+    config = loaded.config
+    if not type(config).model_type:  # a warm GGUF load's plain config (engine/weights/gguf_config.py): its class's
+        config = AutoConfig.for_model(config.model_type,
+                                      **{k: v for k, v in config.to_dict().items() if k != "model_type"})
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     engine_model = loaded.model
     params = dict(engine_model.named_parameters())
     missing = []
