@@ -126,7 +126,8 @@ class EngineLink:
         if batch.snapshot is not None:
             self.last_snapshot = batch.snapshot
             for panel in self.app.query(KVPanel):  # none once the app is closing: a late snapshot is dropped
-                panel.show(batch.snapshot, self.owner_styles())
+                # the owners (a walk over the tabs) only for a panel shown: a hidden one gets them when shown (refresh)
+                panel.show(batch.snapshot, self.owner_styles() if panel.display else None)
         if batch.server_stats is not None:
             for panel in self.app.query(KVPanel):
                 panel.show_server(batch.server_stats)

@@ -6,8 +6,6 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from markdown_it import MarkdownIt
-from markdown_it.rules_core import StateCore
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -16,6 +14,8 @@ from textual.message import Message
 from textual.timer import Timer
 from textual.widgets import Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
+
+from rosechat.widgets.reply_markdown import ReplyMarkdown
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 
@@ -80,31 +80,6 @@ class ChatInput(TextArea):
         self.insert("\n")
 
 
-_PARSER: MarkdownIt | None = None
-
-
-def _markdown_parser() -> MarkdownIt:
-    """Markdown where a single newline in a reply is a line break, as the model wrote it (a poem,
-    an address, a list without Markdown). Code blocks are untouched. Textual asks for a parser at
-    every write: one, built once (0.4 ms, and its rules compiled at first parse, 0.5 ms more); a parse
-    keeps its state in its own objects, so the Markdown widgets (and Textual's parsing thread) share it."""
-    global _PARSER
-    if _PARSER is None:
-        parser = MarkdownIt("gfm-like")
-        parser.core.ruler.push("hard_breaks", _hard_breaks)
-        parser.parse("")  # compiles the rule chains now, on one thread
-        _PARSER = parser
-    return _PARSER
-
-
-def _hard_breaks(state: StateCore) -> None:
-    # markdown-it's "breaks" option changes only its HTML renderer; Textual reads the tokens
-    for token in state.tokens:
-        for child in token.children or ():
-            if child.type == "softbreak":
-                child.type = "hardbreak"
-
-
 _REASONS = {"length": "max tokens reached", "context": "context full", "abort": "stopped", "stopped": "stopped",
             "error": "cut short by an error"}
 
@@ -155,7 +130,7 @@ class MessageView(Vertical):
         if self.role == "user":  # shown as typed: no Markdown
             yield Static(Text(self.texts[0]), classes="user-text")
         else:
-            yield Markdown(self.texts[0], parser_factory=_markdown_parser)
+            yield ReplyMarkdown(self.texts[0])
         yield Static("", classes="reply-footer")
 
     @property
