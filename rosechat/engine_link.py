@@ -125,18 +125,25 @@ class EngineLink:
             self.app.notify(error.message, title="Engine error", severity="error", timeout=10)
         if batch.snapshot is not None:
             self.last_snapshot = batch.snapshot
-            for panel in self.app.query(KVPanel):  # none once the app is closing: a late snapshot is dropped
+            for panel in self._panels():  # none once the app is closing: a late snapshot is dropped
                 # the owners (a walk over the tabs) only for a panel shown: a hidden one gets them when shown (refresh)
                 panel.show(batch.snapshot, self.owner_styles() if panel.display else None)
         if batch.server_stats is not None:
-            for panel in self.app.query(KVPanel):
+            for panel in self._panels():
                 panel.show_server(batch.server_stats)
         if batch.loading and self.backend is None:  # the engine's first snapshot ends the load
             for bar in self.app.query("#loading-bar").results(LoadBar):
                 bar.show(batch.loading[-1])
-            for panel in self.app.query(KVPanel):
+            for panel in self._panels():
                 for progress in batch.loading:
                     panel.show_loading(progress)
+
+    def _panels(self) -> list[KVPanel]:
+        """The KV panel (none once the app is closing, or under a dialog), found by its id: a search that
+        stops at it, near the top, where a query by type walks every widget (a long chat has hundreds) at
+        each snapshot, ~10 a second."""
+        panel = self.app.query_one_optional("#kv", KVPanel)
+        return [] if panel is None else [panel]
 
     def owner_styles(self) -> dict[str, OwnerStyle]:
         """How the KV panel draws each tab's blocks: its title and colour, by conversation id."""
