@@ -22,9 +22,11 @@ ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 # A streaming reply is not redrawn for every piece of text the engine sends (30 a second): its
 # text is written to the Markdown in batches, the first at once, then at most every
 # REDRAW_INTERVAL seconds, and less often when redrawing is costly, so that the redraws take about
-# REDRAW_SHARE of the UI thread (its CPU time since the last write / REDRAW_SHARE), but never less
-# often than every REDRAW_MAX seconds. A redraw is tens of milliseconds of Python on a small CPU
-# (Textual re-parses the reply's last block, remounts it, re-lays out and repaints the screen), and
+# REDRAW_SHARE of the UI thread (its CPU time since the last write / REDRAW_SHARE: all of it, typing
+# and event delivery too, since a layout runs after the write, on the screen's timer), but never less
+# often than every REDRAW_MAX seconds. A redraw is milliseconds of Python on a small CPU (Textual
+# re-parses the reply's last block and repaints it), tens when the reply grows a line (the screen is
+# laid out again, twice: see reply_markdown.py), and
 # while the UI thread runs, the in-process engine waits for the GIL after each of its kernels: on a
 # 2-core machine, redrawing at 30 Hz held SmolLM2-135M to ~28 tokens/s where the engine alone
 # decodes ~90-100. The UI thread's CPU clock is read once per write, not per piece of text: under
