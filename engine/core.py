@@ -15,6 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
+from engine.draft import make_proposer
 from engine.events import CacheSnapshot, EngineInfo, StepStats
 from engine.kv_groups import KVLayout
 from engine.model_runner import ModelRunner
@@ -23,7 +24,7 @@ from engine.requests import ContextLengthError, RequestError, validate
 from engine.sampler import Sampler, SamplingTensors, argmax, make_generator, prompt_logprobs, token_logprobs
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
-from engine.spec_decode import NgramProposer, SpeculativeConfig, generator_states, rewind
+from engine.spec_decode import SpeculativeConfig, generator_states, rewind
 from engine.structured import GrammarError, StructuredOutputs
 from engine.weights.loader import LoadedModel, Stages
 from kernels.cpu import ops as cpu_ops
@@ -70,9 +71,10 @@ class EngineCore:
         say(f"allocating the KV pool ({num_blocks} blocks of {config.block_size} tokens)")
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, layout.windows)
         self.max_model_len = min(loaded.max_model_len, self.block_manager.num_usable_blocks // layout.num_groups * bs)
-        spec = SpeculativeConfig.parse(config.speculative_config)
+        proposer = make_proposer(SpeculativeConfig.parse(config.speculative_config), loaded, num_blocks, bs,
+                                 config.max_num_seqs, device, config.attention_backend, config.weight_cache, say)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   NgramProposer(spec) if spec else None, self.max_model_len)
+                                   proposer, self.max_model_len)
         kv_shape = (slots, num_blocks, bs, kv_heads, head_dim)
         self.runner = ModelRunner(loaded.model, kv_shape, dtype, device, config.attention_backend, layout)
         if config.cuda_graphs:

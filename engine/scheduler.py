@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.spec_decode import NgramProposer, SpecState, accepted
+from engine.spec_decode import Proposer, SpecState, accepted
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 proposer: NgramProposer | None = None, max_model_len: int = 1 << 62) -> None:  # fmt: skip
+                 proposer: Proposer | None = None, max_model_len: int = 1 << 62) -> None:  # fmt: skip
         self.bm, self.max_num_seqs, self.max_num_batched_tokens = block_manager, max_num_seqs, max_num_batched_tokens
         self.proposer, self.max_model_len = proposer, max_model_len
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculation's counters
@@ -83,6 +83,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted_before = self.preemptions
+        guesses = self._propose()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -91,7 +92,8 @@ class Scheduler:
             while not self.bm.can_append(seq, n) and self._reclaim(protect=seq):
                 pass  # reclaim until seq fits or nothing is left to reclaim
             if self.bm.can_append(seq, n):  # _reclaim never touches seq or anything before it
-                n += self._speculate(seq, n, budget - (len(self.running) - i - 1))  # a token for each later one
+                # a token left for each later one
+                n += self._speculate(seq, n, budget - (len(self.running) - i - 1), guesses.get(seq.seq_id))
                 self.bm.append_slots(seq, n)
                 scheduled.append((seq, n))
                 budget -= n
@@ -190,19 +192,30 @@ class Scheduler:
             row += 1
         return rows, seqs
 
-    def _speculate(self, seq: Sequence, n: int, budget: int) -> int:
-        """Append the proposer's guesses to a decoding sequence that has room for them; returns how many."""
+    def _propose(self) -> dict[int, list[int]]:
+        """The guesses of every decode that may guess this step, asked of the proposer at once (a draft model
+        runs one batched forward per guess position); _speculate trims them to the step's budget and memory."""
+        if self.proposer is None:
+            return {}
+        wanted = [(seq, k) for seq in self.running if (k := self._wanted(seq)) > 0]
+        return self.proposer.propose_batch(wanted) if wanted else {}
+
+    def _wanted(self, seq: Sequence) -> int:
+        """Guesses seq may take this step before the token budget and memory (0: none)."""
         group = seq.group
-        # not before its first sampled token: a prompt's last chunk may be one token, and a group forks its
-        # n - 1 samples only there (advance)
-        if (self.proposer is None or n != 1 or not seq.num_output_tokens or group.grammar is not None
+        # a decode, not before its first sampled token: a prompt's last chunk may be one token, and a group forks
+        # its n - 1 samples only there (advance)
+        if (seq.num_uncomputed != 1 or not seq.num_output_tokens or group.grammar is not None
                 or group.params.logprobs is not None):
             return 0
         if seq.spec is None:
             seq.spec = SpecState()
-        k = min(seq.spec.budget(self.proposer.k), budget - 1, group.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - len(seq) - 1)
-        drafts = self.proposer.propose(seq.spec.tokens(seq.token_ids), k) if k > 0 else []
+        return min(seq.spec.budget(self.proposer.k), group.params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - len(seq) - 1)
+
+    def _speculate(self, seq: Sequence, n: int, budget: int, guesses: list[int] | None) -> int:
+        """Append the guesses of a decoding sequence that fit the step's budget and memory; returns how many."""
+        drafts = guesses[: budget - 1] if guesses and n == 1 else []
         if not drafts or not self.bm.can_append(seq, 1 + len(drafts)):
             return 0  # guesses never take memory from anything else
         seq.token_ids += drafts

@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` keys: {"method": "ngram", "num_speculative_tokens": 4, ...}."""
+    """vLLM's `speculative_config` keys: {"method": "ngram", "num_speculative_tokens": 4, ...}, or
+    {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (engine/draft.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: guesses per step at most
     prompt_lookup_max: int = 4  # the longest suffix of the sequence matched earlier in it (n-gram)
     prompt_lookup_min: int = 2  # the shortest
+    model: str | None = None  # draft_model: what load_model takes (a GGUF file, a folder, a packaged name)
+    quantization: str | None = None  # draft_model: its weights' (as EngineConfig's); None: the source's own
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -47,6 +50,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         if not value:
             return None
+        if "model" in value and "method" not in value:  # as vLLM: a draft model names no method
+            value = {**value, "method": "draft_model"}
         known = {f.name for f in fields(cls)}
         if unknown := sorted(set(value) - known):
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
@@ -54,12 +59,28 @@ class SpeculativeConfig:
         if config.method not in METHODS:
             raise ValueError(f"speculative_config: method {config.method!r} is not supported; supported: "
                              f"{', '.join(METHODS)}")
+        if (config.method == "draft_model") != (config.model is not None):
+            raise ValueError("speculative_config: method draft_model takes a model (its path or name), and only "
+                             "it does")
+        if config.model is not None and (not isinstance(config.model, str) or not config.model.strip()):
+            raise ValueError(f"speculative_config: model must be a path or name, got {config.model!r}")
+        if config.quantization not in (None, "auto", "none", "int8", "int4"):
+            raise ValueError(f"speculative_config: quantization must be auto, none, int8 or int4, got "
+                             f"{config.quantization!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {getattr(config, name)!r}")
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
         return config
+
+
+class Proposer(Protocol):
+    """What the scheduler asks for guesses: NgramProposer here, DraftModelProposer (engine/draft.py)."""
+
+    k: int  # guesses per step at most
+
+    def propose_batch(self, wanted: list[tuple[Any, int]]) -> dict[int, list[int]]: ...
 
 
 class NgramProposer:
@@ -70,6 +91,10 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min
+
+    def propose_batch(self, wanted: list[tuple[Any, int]]) -> dict[int, list[int]]:
+        """Guesses for each (sequence, k) of a step: seq_id -> at most k tokens (the scheduler's call)."""
+        return {seq.seq_id: self.propose(seq.spec.tokens(seq.token_ids), k) for seq, k in wanted}
 
     def propose(self, tokens: np.ndarray | list[int], k: int) -> list[int]:
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -155,4 +180,5 @@ def rewind(generator: Any, state: Any, draws: int) -> None:
         torch.empty(1, dtype=torch.float64, device=generator.device).uniform_(generator=generator)
 
 
-__all__ = ["METHODS", "NgramProposer", "SpecState", "SpeculativeConfig", "accepted", "generator_states", "rewind"]
+__all__ = ["METHODS", "NgramProposer", "Proposer", "SpecState", "SpeculativeConfig", "accepted", "generator_states",
+           "rewind"]
