@@ -1,8 +1,12 @@
-"""`rosechat bench spec`: speculative decoding (prompt lookup) against plain decoding, one chat at a time, on an
-editing workload (rewrite pasted code with a name changed, fix the typos in pasted prose: the reply repeats the
-prompt) and a free chat workload, llama.cpp with and without its prompt lookup beside it on the same GGUF file.
-Each system decodes each prompt in turn, the systems alternate, best of N rounds; the figure is decode tok/s
-(output tokens after the first over the time after the first). Speculation must give the same text."""
+"""`rosechat bench spec`: speculative decoding (prompt lookup or a draft model) against plain decoding, one chat at
+a time, on an editing workload (rewrite pasted code with a name changed, fix the typos in pasted prose: the reply
+repeats the prompt) and a free chat workload, llama.cpp with and without its prompt lookup beside it on the same GGUF
+file. Each system decodes each prompt in turn, the systems alternate, best of N rounds; the figure is decode tok/s
+(output tokens after the first over the time after the first). Speculation must give the same text.
+
+A draft model: `--speculative-config '{"model": "smollm2-135m-instruct", "num_speculative_tokens": 4}'`, with
+`--target-shape 360M` for a target of a larger SmolLM2 shape (random weights, SmolLM2's tokenizer: written once
+by `bench scale`'s writer), where the draft's guesses are near-random, so its acceptance is near zero."""
 
 from __future__ import annotations
 
@@ -89,12 +93,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before, t0 = _load(), time.perf_counter()
     spec_config = json.loads(args.speculative_config)
     common = {"num_threads": args.threads} if args.threads else {}
-    plain = LLMEngine.from_pretrained(args.model, **common)
-    spec = LLMEngine.from_pretrained(args.model, speculative_config=spec_config, **common)
+    model = args.model
+    if args.target_shape:  # a random-weight GGUF of a real shape, SmolLM2's tokenizer where the vocabulary is its
+        from rosechat.bench.scale_gguf import cached_gguf
+
+        model = str(cached_gguf(args.target_shape, "Q4_1")[0])
+    plain = LLMEngine.from_pretrained(model, **common)
+    spec = LLMEngine.from_pretrained(model, speculative_config=spec_config, **common)
     prompts = {w: [plain.render_chat([{"role": "user", "content": p}]) for p in ps] for w, ps in WORKLOADS.items()}
+    lookup = "model" not in spec_config and spec_config.get("method", "ngram") == "ngram"
+    spec_name = "rosechat ngram" if lookup else "rosechat draft"
     systems: dict[str, Any] = {"rosechat": lambda ps: _rosechat_round(plain, ps, args.max_tokens),
-                               "rosechat ngram": lambda ps: _rosechat_round(spec, ps, args.max_tokens)}
-    path = _gguf_path(args.model)
+                               spec_name: lambda ps: _rosechat_round(spec, ps, args.max_tokens)}
+    path = _gguf_path(model)
     if path and llama_cpp_available() and not args.no_llama_cpp:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -106,10 +117,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "verbose": False}
         eos = set(plain.loaded.eos_token_ids)
         lcpp = Llama(**kw)
-        lookup = Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=spec_config.get(
-            "num_speculative_tokens", 4), max_ngram_size=spec_config.get("prompt_lookup_max", 4)))
         systems["llama.cpp"] = lambda ps: _llama_round(lcpp, ps, args.max_tokens, eos)
-        systems["llama.cpp lookup"] = lambda ps: _llama_round(lookup, ps, args.max_tokens, eos)
+        if lookup:  # llama-cpp-python's draft models are prompt lookup only
+            llama_lookup = Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=spec_config.get(
+                "num_speculative_tokens", 4), max_ngram_size=spec_config.get("prompt_lookup_max", 4)))
+            systems["llama.cpp lookup"] = lambda ps: _llama_round(llama_lookup, ps, args.max_tokens, eos)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in WORKLOADS}
     for _ in range(args.repeats):
         for workload, ps in prompts.items():
@@ -120,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if g["tok_s"] > best[i]["tok_s"]:
                         best[i] = g
     table = {w: {name: sum(r["tok_s"] for r in rs) / len(rs) for name, rs in by.items()} for w, by in results.items()}
-    same = {w: all(a["tokens"] == b["tokens"] for a, b in zip(by["rosechat"], by["rosechat ngram"]))
+    same = {w: all(a["tokens"] == b["tokens"] for a, b in zip(by["rosechat"], by[spec_name]))
             for w, by in results.items()}
     s = spec.cache_snapshot()
     info = plain.info
@@ -172,7 +184,10 @@ def render(report: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rosechat bench spec", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="what the engine loads (default: the app's)")
-    p.add_argument("--speculative-config", default=json.dumps(NGRAM), metavar="JSON", help="rosechat's speculation")
+    p.add_argument("--speculative-config", default=json.dumps(NGRAM), metavar="JSON",
+                   help='rosechat\'s speculation (a draft model: {"model": "smollm2-135m-instruct", ...})')
+    p.add_argument("--target-shape", metavar="SHAPE", help="instead of --model: a random-weight Q4_1 GGUF of this "
+                   "shape (`bench scale`'s, e.g. 360M, 1.7B), for a draft model to draft for")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most")
     p.add_argument("--repeats", type=int, default=2, help="rounds, alternated; the best of each is shown")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
