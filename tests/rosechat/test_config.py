@@ -190,3 +190,11 @@ def test_speculative_config_is_checked_and_reaches_the_engine(tmp_path: Path) ->
     assert "'medusa' is not supported" in str(e.value)
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(overrides={"model.speculative_config": '{"tokens": 3}'}, user_file=None)
+
+
+def test_a_draft_model_speculative_config_reaches_the_engine() -> None:
+    spec = '{"method": "draft_model", "model": "smollm2-135m-instruct", "num_speculative_tokens": 3}'
+    c = load_config(overrides={"model.speculative_config": spec}, user_file=None)
+    assert c.engine_kwargs()["speculative_config"] == spec
+    with pytest.raises(ConfigError, match="draft_model takes a model"):
+        load_config(overrides={"model.speculative_config": '{"method": "draft_model"}'}, user_file=None)
