@@ -117,7 +117,9 @@ class DraftModelProposer:
         self.drafts.move_to_end(seq.seq_id)
         mine, theirs = draft.seq.token_ids, seq.token_ids
         start = draft.synced if draft.spec is seq.spec else 0  # within a request the target's tokens only grow
-        common = min(draft.seq.num_computed_tokens, len(theirs))
+        # its last token is fed again even where the draft computed it (a guess the target kept but did not check:
+        # its step's token budget or memory cut the guesses short): its logits are the first guess's
+        common = min(draft.seq.num_computed_tokens, len(theirs) - 1)
         start = min(start, common)
         if mine[start:common] != theirs[start:common]:  # rejected guesses, or another request's tokens
             differ = np.flatnonzero(np.asarray(mine[start:common]) != np.asarray(theirs[start:common]))

@@ -101,12 +101,11 @@ def test_seeded_samples_match_plain_decoding(models: dict[str, str]) -> None:
     assert spec.scheduler.spec_accepted_tokens > 0
 
 
-def test_guesses_are_the_drafts_greedy_continuation_after_rejections_and_preemption(models: dict[str, str]) -> None:
-    """Each guess list equals what the draft model computes from scratch on the target's tokens: its KV kept
-    in step through rolled-back guesses, preempted and resumed sequences, and a pool too small for all."""
-    spec = _engine(models, "noisy", num_blocks=40)  # 6 sequences of up to 44 tokens: some preempted
-    reference = LLMEngine.from_pretrained(models["noisy"], block_size=4, num_blocks=64)
-    proposer, checked = _proposer(spec), []
+def _check_guesses(eng: LLMEngine, draft_path: str) -> list[int]:
+    """Make eng's proposer assert that each guess list is what the draft model computes from scratch on the
+    target's tokens (its KV kept in step); returns the list of guess counts, filled as it runs."""
+    reference = LLMEngine.from_pretrained(draft_path, block_size=4, num_blocks=64)
+    proposer, counts = _proposer(eng), []
     propose = proposer.propose_batch
 
     def checking(wanted):
@@ -116,14 +115,22 @@ def test_guesses_are_the_drafts_greedy_continuation_after_rejections_and_preempt
             for guess in got.get(seq.seq_id, []):
                 assert guess == int(reference.score(tokens)[-1].argmax()), "a guess from stale draft KV"
                 tokens.append(guess)
-            checked.append(len(got.get(seq.seq_id, [])))
+            counts.append(len(got.get(seq.seq_id, [])))
         return got
 
     proposer.propose_batch = checking
+    return counts
+
+
+def test_guesses_are_the_drafts_greedy_continuation_after_rejections_and_preemption(models: dict[str, str]) -> None:
+    """The draft's KV stays in step through rolled-back guesses, preempted and resumed sequences, and a pool too
+    small for all."""
+    spec = _engine(models, "noisy", num_blocks=40)  # 6 sequences of up to 44 tokens: some preempted
+    checked = _check_guesses(spec, models["noisy"])
     prompts = [p + [70 + i] for i in range(2) for p in PROMPTS[:3]]
     params = [SamplingParams(max_tokens=32, temperature=0.3, top_k=3, seed=i, ignore_eos=True) for i in range(6)]
     assert _run(spec, prompts, params) == _run(_engine(models, None), prompts, params)
-    s = spec.scheduler
+    s, proposer = spec.scheduler, _proposer(spec)
     assert s.preemptions > 0 and 0 < s.spec_accepted_tokens < s.spec_draft_tokens and sum(checked) > 20
     # drafts of finished sequences are freed at the next step that guesses: only the new request's is left
     _run(spec, PROMPTS[:1], [GREEDY])
@@ -131,6 +138,17 @@ def test_guesses_are_the_drafts_greedy_continuation_after_rejections_and_preempt
     assert left.target.token_ids[: len(PROMPTS[0])] == PROMPTS[0]
     proposer._collect()
     assert not proposer.drafts and proposer.bm.num_free_blocks == proposer.bm.num_blocks
+
+
+def test_guesses_cut_short_by_the_token_budget(models: dict[str, str]) -> None:
+    """A step's budget checks fewer guesses than the draft made; the token after them is often the draft's next
+    guess, whose KV the draft holds already (found in review: it then fed no token and took another's logits)."""
+    spec = _engine(models, "target", k=4, max_num_batched_tokens=7)
+    checked = _check_guesses(spec, models["target"])
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    assert _run(spec, PROMPTS, params) == _run(_engine(models, None), PROMPTS, params)
+    s = spec.scheduler
+    assert sum(checked) > s.spec_draft_tokens > 0  # some guesses were cut
 
 
 def test_a_conversations_next_turn_reuses_its_draft_kv(models: dict[str, str]) -> None:
