@@ -200,3 +200,16 @@ def test_draft_model_config_as_vllm_takes_it() -> None:
         SpeculativeConfig.parse({"method": "ngram", "model": "x"})
     with pytest.raises(ValueError, match="quantization must be"):
         SpeculativeConfig.parse({"model": "x", "quantization": "q3"})
+
+
+def test_a_sliding_window_model_drafting_for_itself(tmp_path: Path) -> None:
+    """Gemma 2's windowed layers: the draft's pool has the target's KV cache groups too."""
+    path = str(make_tiny_model(tmp_path / "g", "gemma2", seed=1))
+    spec = LLMEngine.from_pretrained(path, speculative_config={"model": path, "num_speculative_tokens": 3},
+                                     block_size=4, num_blocks=128)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 2
+    assert _run(spec, PROMPTS[:2], params) == _run(LLMEngine.from_pretrained(path, block_size=4, num_blocks=128),
+                                                   PROMPTS[:2], params)
+    s = spec.scheduler
+    assert s.spec_draft_tokens > 0 and s.spec_accepted_tokens == s.spec_draft_tokens
+    assert _proposer(spec).bm.windows == spec.block_manager.windows and len(spec.block_manager.windows) == 2
