@@ -224,3 +224,15 @@ class PagedHarness:
             meta,
         )
         return self.model.compute_logits(hidden)
+
+
+def drain_checked(engine: Any) -> dict[str, Any]:
+    """Step `engine` until every request is done, checking the block manager's invariants after each
+    step; the finished outputs by request id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.block_manager.check_invariants()
+    return done

@@ -8,7 +8,7 @@ import pytest
 
 from engine import ContextLengthError, LLMEngine, SamplingParams
 from engine.conversations import common_prefix_len
-from tests.helpers import make_tiny_model
+from tests.helpers import drain_checked, make_tiny_model
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -17,16 +17,6 @@ SYSTEM = {"role": "system", "content": "You are terse."}
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     # a 256-token context: a few turns outgrow it
     return str(make_tiny_model(tmp_path_factory.mktemp("ctx") / "m", "llama", max_position_embeddings=256))
-
-
-def _drain(eng: LLMEngine) -> dict:
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        eng.block_manager.check_invariants()
-    return done
 
 
 def _turn(eng: LLMEngine, cid: str, messages: list[dict[str, str]], max_tokens: int = 16):
@@ -137,7 +127,7 @@ def test_stop_token_id_is_not_spliced_into_the_next_turn(model_dir: str) -> None
 
     conv = eng.start_conversation()
     rid = eng.submit_turn(conv, msgs, SamplingParams(max_tokens=8, stop_token_ids=[stop_token]))
-    out = _drain(eng)[rid]
+    out = drain_checked(eng)[rid]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == ""
 
     msgs2 = msgs + [{"role": "assistant", "content": out.outputs[0].text}, {"role": "user", "content": "and?"}]
@@ -157,7 +147,7 @@ def test_a_conversation_takes_a_new_turn_right_after_an_abort(model_dir: str) ->
     eng.abort(first)
     history = eng.conversations[conv].seqs[0].token_ids
     second = eng.submit_turn(conv, history + [10, 11], SamplingParams(max_tokens=4, ignore_eos=True))
-    done = _drain(eng)
+    done = drain_checked(eng)
     assert done[first].outputs[0].finish_reason == "abort"
     assert done[second].outputs[0].finish_reason == "length" and len(done[second].outputs[0].token_ids) == 4
     assert eng.conversations[conv].request_id is None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, ModelNotFoundError, RequestError, SamplingParams
-from tests.helpers import TINY_VOCAB, TRITON_ON, make_tiny_model, reference_model
+from tests.helpers import TINY_VOCAB, TRITON_ON, drain_checked, make_tiny_model, reference_model
 
 # arch, config overrides: GQA ratio 3 with head_dim 48, head_dim 64 with a tied head and llama3
 # RoPE scaling, Qwen2 biases, Qwen3 q/k norm, Mistral, GPT-2 learned positions (tied).
@@ -94,16 +94,6 @@ def test_greedy_parity_triton_backend(model_dirs: dict[str, str], name: str) -> 
         assert_greedy_matches(ref, prompt, out.outputs[0].token_ids)
 
 
-def _drain(eng: LLMEngine) -> dict[str, object]:
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        eng.block_manager.check_invariants()
-    return done
-
-
 def test_batch_invariance_under_sharing_and_preemption(llama_dir: str) -> None:
     """16+ requests with shared prefixes, n > 1 groups and forks on a pool small enough to preempt
     several times: every greedy output equals the same request run alone on a large pool."""
@@ -123,14 +113,14 @@ def test_batch_invariance_under_sharing_and_preemption(llama_dir: str) -> None:
     # Two conversations forked from one another, generating next to the requests.
     conv = eng.start_conversation()
     eng.submit_turn(conv, prompts[0], SamplingParams(max_tokens=6, ignore_eos=True))
-    done = _drain(eng)
+    done = drain_checked(eng)
     fork = eng.fork_conversation(conv)
     turn = [t for t in done.values() if t.conversation_id == conv][0]
     history = prompts[0] + turn.outputs[0].token_ids
     a = eng.submit_turn(conv, history + [11, 12, 13], SamplingParams(max_tokens=10, ignore_eos=True))
     b = eng.submit_turn(fork, history + [21, 22], SamplingParams(max_tokens=10, ignore_eos=True))
     more = [eng.add_request(prompt, p) for prompt, p in zip(prompts[:4], params[:4])]
-    done.update(_drain(eng))
+    done.update(drain_checked(eng))
 
     for rid, want, p in zip(ids + more, alone + alone[:4], params + params[:4]):
         out = done[rid]
@@ -289,14 +279,14 @@ def test_chunked_prefill_does_not_stall_decodes(llama_dir: str) -> None:
         assert len(eng.groups[a].seqs[0]) == before + 1, "a running decode was stalled by a prefill"
         steps_while_b_prefills += 1
     assert steps_while_b_prefills >= 300 // 32
-    done = _drain(eng)
+    done = drain_checked(eng)
     solo = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256)
     want = solo.generate([long], SamplingParams(max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids
     assert done[b].outputs[0].token_ids == want
 
 
 def _drain_one(eng: LLMEngine, rid: str):
-    return _drain(eng)[rid]
+    return drain_checked(eng)[rid]
 
 
 def test_bad_input_gets_specific_errors_and_the_engine_keeps_serving(llama_dir: str, tmp_path) -> None:
@@ -315,7 +305,7 @@ def test_bad_input_gets_specific_errors_and_the_engine_keeps_serving(llama_dir: 
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     ok2 = eng.add_request([8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
-    done = _drain(eng)
+    done = drain_checked(eng)
     assert len(done[ok].outputs[0].token_ids) == 6 and len(done[ok2].outputs[0].token_ids) == 4
     assert eng.block_manager.num_free_blocks == 40
 
@@ -338,7 +328,7 @@ def test_a_failing_request_does_not_take_down_the_others(llama_dir: str) -> None
         raise RuntimeError("injected failure")
 
     eng.outputs.detokenizer(eng.groups[bad].seqs[0]).append = explode
-    done = _drain(eng)
+    done = drain_checked(eng)
     assert done[bad].error and "injected failure" in done[bad].error
     assert len(done[good].outputs[0].token_ids) == 8 and done[good].error is None
     assert eng.block_manager.num_free_blocks == 64
@@ -396,9 +386,9 @@ def test_cow_copies_with_a_block_both_source_and_destination_are_exact(llama_dir
     eng = LLMEngine.from_pretrained(llama_dir, block_size=4, num_blocks=5)
     p = SamplingParams(max_tokens=4, ignore_eos=True)
     eng.submit_turn(eng.start_conversation("B"), [5, 6, 7], p)  # 7 tokens, 6 computed: blocks [full, partial]
-    _drain(eng)
+    drain_checked(eng)
     eng.submit_turn(eng.start_conversation("D"), [8, 9, 10], p)
-    _drain(eng)
+    drain_checked(eng)
     assert eng.block_manager.num_free_blocks == 1
     eng.fork_conversation("B", "A")  # A shares B's partial block, C shares D's
     eng.fork_conversation("D", "C")
@@ -417,7 +407,7 @@ def test_cow_copies_with_a_block_both_source_and_destination_are_exact(llama_dir
     q = SamplingParams(max_tokens=1, ignore_eos=True)
     eng.submit_turn("A", eng.conversations["A"].seqs[0].token_ids + [11], q)
     eng.submit_turn("C", eng.conversations["C"].seqs[0].token_ids + [12], q)
-    _drain(eng)
+    drain_checked(eng)
     assert batches, "expected copy-on-write"
     # The case this test builds: a block freed this step is one copy's source and another's target.
     assert any({s for s, _ in pairs} & {d for _, d in pairs} for pairs in batches)
@@ -454,7 +444,7 @@ def test_abort_whose_flush_fails_does_not_leave_a_zombie_sequence(llama_dir: str
     eng.outputs.detokenizer(seq).flush = broken_flush
     with contextlib.suppress(RuntimeError):
         eng.abort(a)
-    done = _drain(eng)  # KeyError: 'req-0' on the code as reviewed
+    done = drain_checked(eng)  # KeyError: 'req-0' on the code as reviewed
     assert seq not in eng.scheduler.running
     assert done[b].error is None and len(done[b].outputs[0].token_ids) == 12
     assert eng.block_manager.num_free_blocks == 64

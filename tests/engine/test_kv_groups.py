@@ -15,7 +15,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import cdiv
 from engine.kv_groups import KVLayout, first_needed_block
 from engine.weights.loader import load_model
-from tests.helpers import TINY_VOCAB, reference_model
+from tests.helpers import TINY_VOCAB, drain_checked, reference_model
 
 BS, WINDOW = 4, 8
 
@@ -46,16 +46,6 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 def _alone(gemma2, prompt: list[int], params: SamplingParams) -> list[int]:
     return _engine(gemma2, 256).generate([prompt], params)[0].outputs[0].token_ids
-
-
-def _drain(eng: LLMEngine) -> dict:
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        eng.block_manager.check_invariants()
-    return done
 
 
 def test_layout_groups_layers_by_window() -> None:
@@ -118,14 +108,14 @@ def test_batch_invariance_under_sharing_and_preemption(gemma2) -> None:
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     conv = eng.start_conversation()
     eng.submit_turn(conv, prompts[1], SamplingParams(max_tokens=12, ignore_eos=True))
-    done = _drain(eng)
+    done = drain_checked(eng)
     fork = eng.fork_conversation(conv)
     history = prompts[1] + [o for o in done.values() if o.conversation_id == conv][0].outputs[0].token_ids
     turn = SamplingParams(max_tokens=14, ignore_eos=True)
     a = eng.submit_turn(conv, history + [11, 12, 13], turn)
     b = eng.submit_turn(fork, history + [21, 22], turn)
     more = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
-    done.update(_drain(eng))
+    done.update(drain_checked(eng))
     for rid, want, sp in zip(ids + more, alone + alone[:4], params + params[:4]):
         assert [c.token_ids for c in done[rid].outputs] == [want] * sp.n, f"{rid} differs from its isolated run"
     assert done[a].outputs[0].token_ids == _alone(gemma2, history + [11, 12, 13], turn)
@@ -156,7 +146,7 @@ def test_speculation_and_conversation_turns_on_a_windowed_model(gemma2) -> None:
     spec = _engine(gemma2, 128, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     conv = spec.start_conversation()
     spec.submit_turn(conv, prompt, params)
-    first = _drain(spec)
+    first = drain_checked(spec)
     reply = list(first.values())[0].outputs[0].token_ids
     assert reply == _alone(gemma2, prompt, params)
     assert spec.scheduler.spec_draft_tokens > spec.scheduler.spec_accepted_tokens  # guesses were rolled back
@@ -164,7 +154,7 @@ def test_speculation_and_conversation_turns_on_a_windowed_model(gemma2) -> None:
     # position sees, so the sequence is recomputed, its blocks found again in the prefix cache
     history = prompt + reply[:-10] + [17, 18]
     spec.submit_turn(conv, history, params)
-    second = list(_drain(spec).values())[0]
+    second = list(drain_checked(spec).values())[0]
     assert second.outputs[0].token_ids == _alone(gemma2, history, params)
     assert second.usage.prefilled_tokens <= 2 + BS
 
