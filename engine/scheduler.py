@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.spec_decode import Proposer, SpecState, accepted
+from engine.spec_decode import Proposer, SpecState, StepCost, accepted
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Scheduler:
                  proposer: Proposer | None = None, max_model_len: int = 1 << 62) -> None:  # fmt: skip
         self.bm, self.max_num_seqs, self.max_num_batched_tokens = block_manager, max_num_seqs, max_num_batched_tokens
         self.proposer, self.max_model_len = proposer, max_model_len
+        self.step_cost = StepCost()  # decode steps' time by rows: what guesses cost (EngineCore records it)
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculation's counters
         self.spec_accepted_per_pos = [0] * (proposer.k if proposer else 0)  # kept guesses at each position
         self.waiting: deque[Sequence] = deque()
@@ -210,8 +211,11 @@ class Scheduler:
             return 0
         if seq.spec is None:
             seq.spec = SpecState()
-        return min(seq.spec.budget(self.proposer.k), group.params.max_tokens - seq.num_output_tokens - 1,
-                   self.max_model_len - len(seq) - 1)
+        k = min(seq.spec.budget(self.proposer.k), group.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - len(seq) - 1)
+        if k > 0 and (k := self.step_cost.worth(k, seq.spec.rate, len(self.running))) == 0:
+            seq.spec.not_worth()  # a check would lose at its rate: a pause, then a try
+        return k
 
     def _speculate(self, seq: Sequence, n: int, budget: int, guesses: list[int] | None) -> int:
         """Append the guesses of a decoding sequence that fit the step's budget and memory; returns how many."""

@@ -14,6 +14,7 @@ forgotten (BlockManager.rollback) before any prefix-cache hash is published.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -150,11 +151,61 @@ class SpecState:
             return 0
         return max(1, round(k * self.rate))
 
+    def not_worth(self) -> None:
+        """A check would cost more than its rate gains (StepCost): pause, then try again at a hopeful rate
+        (no guess, no new measure of the rate)."""
+        self.rate, self.paused = max(self.rate, 0.5), PAUSE_STEPS
+
     def record(self, guessed: int, kept: int) -> None:
         self.guessed, self.kept = self.guessed + guessed, self.kept + kept
         self.rate += RATE_WEIGHT * (kept / guessed - self.rate)
         if self.rate < MIN_RATE:
             self.rate, self.paused = 0.5, PAUSE_STEPS
+
+
+COST_WEIGHT = 0.1  # of a step's time in its row count's running average
+
+
+class StepCost:
+    """What a decode step costs by its rows, measured on the steps run: the running average time of
+    decode-only steps per row count, fitted to base + per_row * rows. A check of k guesses is worth
+    taking where the tokens it is expected to keep beyond the one a plain step gives outweigh the
+    extra rows' time, counted in tokens of the whole batch (on a CPU each extra row costs most of a
+    row's work; on a GPU next to nothing). ROSECHAT_SPEC_COST=off turns it off (the suite pins it off:
+    what it decides depends on the machine's timing)."""
+
+    def __init__(self) -> None:
+        self.times: dict[int, float] = {}  # rows -> running average seconds
+        self.on = os.environ.get("ROSECHAT_SPEC_COST", "measured") != "off"
+
+    def record(self, rows: int, seconds: float) -> None:
+        old = self.times.get(rows)
+        self.times[rows] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(base, per_row) by least squares over the row counts seen; None before two were seen."""
+        if len(self.times) < 2:
+            return None
+        xs, ys = list(self.times), list(self.times.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        per_row = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)
+        return max(my - per_row * mx, 1e-9), per_row
+
+    def worth(self, k: int, rate: float, rows: int) -> int:
+        """The guesses (at most k) that gain most over a plain step for one of `rows` decodes whose
+        guesses stand at `rate`; 0 where none gains. Off or not measured yet: k (guessing measures it)."""
+        fit = self.fit() if self.on else None
+        if fit is None:
+            return k
+        base, per_row = fit
+        step = base + per_row * rows
+        best, best_gain, kept = 0, 0.0, 0.0
+        for j in range(1, k + 1):
+            kept += rate**j  # guess j stands if every guess before it did
+            gain = kept - rows * per_row * j / step  # tokens gained less the batch's time spent, in tokens
+            if gain > best_gain:
+                best, best_gain = j, gain
+        return best
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:
@@ -180,5 +231,5 @@ def rewind(generator: Any, state: Any, draws: int) -> None:
         torch.empty(1, dtype=torch.float64, device=generator.device).uniform_(generator=generator)
 
 
-__all__ = ["METHODS", "NgramProposer", "Proposer", "SpecState", "SpeculativeConfig", "accepted", "generator_states",
-           "rewind"]
+__all__ = ["METHODS", "NgramProposer", "Proposer", "SpecState", "SpeculativeConfig", "StepCost", "accepted",
+           "generator_states", "rewind"]

@@ -20,6 +20,9 @@ os.environ.setdefault("ROSECHAT_DEVICE", "cpu")
 # ...and float32 on every CPU: a dense load on a CPU with native bfloat16 would otherwise measure both
 # dtypes and might keep bfloat16 (engine/defaults.py); tests of that probe unset this
 os.environ.setdefault("ROSECHAT_DTYPE", "float32")
+# ...and speculation guesses by its rate alone: whether a measured check's cost outweighs it depends on the
+# machine's timing (engine/spec_decode.py StepCost; its own tests turn it on)
+os.environ.setdefault("ROSECHAT_SPEC_COST", "off")
 
 # Pin the CPU kernels' variant for the whole run (subprocesses included): what the golden traces and
 # bit-for-bit tests assert was computed on it. The AVX2 variant runs on every AVX2 and AVX-512 CPU;

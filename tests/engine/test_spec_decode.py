@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.spec_decode import PAUSE_STEPS, NgramProposer, SpecState, SpeculativeConfig, accepted
+from engine.spec_decode import PAUSE_STEPS, NgramProposer, SpecState, SpeculativeConfig, StepCost, accepted
 from tests.helpers import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -237,3 +237,42 @@ def test_each_reply_says_how_many_of_its_guesses_stood(model_dir: str) -> None:
     assert f"{100 * kept / guessed:.0f}% of guesses kept" in ReplyStats(30, 0.1, 50.0, "length", kept / guessed).line()
     plain = _bounded(_engine(model_dir, None), PROMPTS[1:2], [SamplingParams(max_tokens=5, temperature=0)])[0]
     assert [e.sample_guesses for e in plain.events if isinstance(e, Finished)] == [()]
+
+
+def test_the_measured_cost_of_a_check_decides_how_many_guesses_pay(monkeypatch) -> None:
+    """Where every row costs a row's work (a compute-bound CPU), a guess pays only at a high rate; where rows
+    are nearly free (weight-bound), every guess does; not measured yet (one row count seen), k."""
+    monkeypatch.setenv("ROSECHAT_SPEC_COST", "measured")
+    cost = StepCost()
+    cost.record(1, 0.010)
+    assert cost.fit() is None and cost.worth(4, 0.1, rows=1) == 4
+    cost.record(5, 0.030)  # base 5 ms, 5 ms a row: a 5-row check costs 3 plain steps
+    assert cost.fit() == pytest.approx((0.005, 0.005))
+    assert cost.worth(4, 0.4, rows=1) == 0  # 0.4 + 0.16 + ... never beats half a step a guess
+    assert cost.worth(4, 0.95, rows=1) == 4  # an edit: the guesses stand
+    assert cost.worth(4, 0.8, rows=1) == 3  # the 4th stands at 0.8 ** 4 = 0.41 < the half step it costs
+    assert cost.worth(4, 0.8, rows=8) == 0  # eight decodes share a step: a guess delays all of them
+    flat = StepCost()
+    flat.record(1, 0.010)
+    flat.record(9, 0.0101)
+    assert flat.worth(4, 0.3, rows=1) == 4
+    monkeypatch.setenv("ROSECHAT_SPEC_COST", "off")
+    assert StepCost().worth(4, 0.5, rows=1) == 4 and not StepCost().on
+
+
+def test_a_check_that_would_lose_is_not_taken_and_the_text_is_the_same(model_dir: str, monkeypatch) -> None:
+    """Through the engine: where a row costs as much as a step's weights, guessing stops once the rate falls
+    (the first tries go by the optimistic starting rate); where rows are nearly free it goes on. Greedy text
+    equal to plain decoding either way."""
+    monkeypatch.setenv("ROSECHAT_SPEC_COST", "measured")
+    params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)]
+    plain = _run(_engine(model_dir, None), PROMPTS[1:2], params)
+    drafts = {}
+    for per_row in (1.0, 0.001):
+        eng = _engine(model_dir, NGRAM)
+        cost = eng.scheduler.step_cost
+        cost.times = {1: 1.0 + per_row, 5: 1.0 + 5 * per_row}
+        monkeypatch.setattr(cost, "record", lambda rows, seconds: None)  # the machine's timing left out
+        assert _run(eng, PROMPTS[1:2], params) == plain
+        drafts[per_row] = eng.scheduler.spec_draft_tokens
+    assert 0 < drafts[1.0] < drafts[0.001] / 2, drafts
