@@ -202,8 +202,8 @@ class EngineCore:
                 self._fail(group, f"{type(e).__name__}: {e}")
             return self._collect([])
         t3 = time.perf_counter()
-        if self.scheduler.proposer is not None and batch.num_decodes == len(batch.seqs):
-            self.scheduler.step_cost.record(sum(batch.num_tokens), t3 - t1)  # what guesses cost (CPU: synchronous)
+        if self.scheduler.proposer is not None and batch.num_decodes == len(batch.seqs):  # what guesses cost
+            self.scheduler.step_cost.record(sum(batch.num_tokens), t3 - t1)
         self._update(seqs, tokens)
         if stats is not None:
             stats.prepare_s = self.runner.last_prepare_s

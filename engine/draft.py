@@ -29,8 +29,8 @@ from engine.spec_decode import NgramProposer, Proposer, SpeculativeConfig
 from engine.weights.loader import LoadedModel, Stages, load_model
 
 # A catch-up of up to this many tokens is attended as decode rows, not as a prefill: after a check the draft
-# catches up on 2 tokens (the last guess and the target's own), and on a loaded 2-core Zen 3 (SmolLM2-135M Q4_1)
-# the CPU prefill attention (SDPA) took ~500 ms for those 2 tokens over 50 keys, their decode rows ~30 ms.
+# catches up on 2 tokens (the last guess and the target's own), which then share the step with the other
+# sequences' decodes (the one-call CPU decode) instead of splitting it into a decode and a prefill part.
 CATCH_UP_ROWS = 16
 
 

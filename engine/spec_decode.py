@@ -177,27 +177,26 @@ class StepCost:
     def __init__(self) -> None:
         self.times: dict[int, float] = {}  # rows -> running average seconds
         self.on = os.environ.get("ROSECHAT_SPEC_COST", "measured") != "off"
+        self.fit: tuple[float, float] | None = None  # (base, per_row); None before two row counts were seen
 
     def record(self, rows: int, seconds: float) -> None:
+        """A decode-only step's time; the fit is redone here, once a step (worth() is asked per sequence)."""
+        if not self.on:
+            return
         old = self.times.get(rows)
         self.times[rows] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
-
-    def fit(self) -> tuple[float, float] | None:
-        """(base, per_row) by least squares over the row counts seen; None before two were seen."""
-        if len(self.times) < 2:
-            return None
-        xs, ys = list(self.times), list(self.times.values())
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        per_row = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)
-        return max(my - per_row * mx, 1e-9), per_row
+        if len(self.times) >= 2:  # least squares over the row counts seen
+            xs, ys = list(self.times), list(self.times.values())
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            per_row = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)
+            self.fit = max(my - per_row * mx, 1e-9), per_row
 
     def worth(self, k: int, rate: float, rows: int) -> int:
         """The guesses (at most k) that gain most over a plain step for one of `rows` decodes whose
         guesses stand at `rate`; 0 where none gains. Off or not measured yet: k (guessing measures it)."""
-        fit = self.fit() if self.on else None
-        if fit is None:
+        if self.fit is None:
             return k
-        base, per_row = fit
+        base, per_row = self.fit
         step = base + per_row * rows
         best, best_gain, kept = 0, 0.0, 0.0
         for j in range(1, k + 1):

@@ -117,8 +117,6 @@ def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], Non
 # Every key of the config, its class's defaults included: read back as a plain PretrainedConfig, it spares a
 # warm load importing the model's config class (LlamaConfig pulls in torch.distributed and accelerate: ~1 s)
 _FULL_CONFIG = "rosechat_config.json"
-
-
 _ALIASES = "rosechat_attribute_map"  # the class's aliases (GPT-2's hidden_size is n_embd)
 
 

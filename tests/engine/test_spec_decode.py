@@ -245,9 +245,9 @@ def test_the_measured_cost_of_a_check_decides_how_many_guesses_pay(monkeypatch) 
     monkeypatch.setenv("ROSECHAT_SPEC_COST", "measured")
     cost = StepCost()
     cost.record(1, 0.010)
-    assert cost.fit() is None and cost.worth(4, 0.1, rows=1) == 4
+    assert cost.fit is None and cost.worth(4, 0.1, rows=1) == 4
     cost.record(5, 0.030)  # base 5 ms, 5 ms a row: a 5-row check costs 3 plain steps
-    assert cost.fit() == pytest.approx((0.005, 0.005))
+    assert cost.fit == pytest.approx((0.005, 0.005))
     assert cost.worth(4, 0.4, rows=1) == 0  # 0.4 + 0.16 + ... never beats half a step a guess
     assert cost.worth(4, 0.95, rows=1) == 4  # an edit: the guesses stand
     assert cost.worth(4, 0.8, rows=1) == 3  # the 4th stands at 0.8 ** 4 = 0.41 < the half step it costs
@@ -257,7 +257,10 @@ def test_the_measured_cost_of_a_check_decides_how_many_guesses_pay(monkeypatch) 
     flat.record(9, 0.0101)
     assert flat.worth(4, 0.3, rows=1) == 4
     monkeypatch.setenv("ROSECHAT_SPEC_COST", "off")
-    assert StepCost().worth(4, 0.5, rows=1) == 4 and not StepCost().on
+    off = StepCost()
+    off.record(1, 0.010)
+    off.record(5, 0.030)
+    assert off.fit is None and off.worth(4, 0.1, rows=1) == 4
 
 
 def test_a_check_that_would_lose_is_not_taken_and_the_text_is_the_same(model_dir: str, monkeypatch) -> None:
@@ -271,7 +274,8 @@ def test_a_check_that_would_lose_is_not_taken_and_the_text_is_the_same(model_dir
     for per_row in (1.0, 0.001):
         eng = _engine(model_dir, NGRAM)
         cost = eng.scheduler.step_cost
-        cost.times = {1: 1.0 + per_row, 5: 1.0 + 5 * per_row}
+        cost.record(1, 1.0 + per_row)
+        cost.record(5, 1.0 + 5 * per_row)
         monkeypatch.setattr(cost, "record", lambda rows, seconds: None)  # the machine's timing left out
         assert _run(eng, PROMPTS[1:2], params) == plain
         drafts[per_row] = eng.scheduler.spec_draft_tokens
