@@ -128,9 +128,10 @@ class BlockManager:
             del self.hash_to_block[block.hash]
         block.hash = None
 
-    def _release(self, block_id: int) -> None:
+    def _release(self, block_id: int) -> bool:
+        """Drop one hold of a block; whether it went back to the pool."""
         if block_id == self.null_block:
-            return
+            return False
         block = self.blocks[block_id]
         block.ref_count -= 1
         assert block.ref_count >= 0, f"double free of block {block_id}"
@@ -140,6 +141,7 @@ class BlockManager:
             else:
                 self._uncache(block)
                 self.free_ids.append(block_id)
+        return block.ref_count == 0
 
     def block_hash(self, seq: Sequence, j: int) -> bytes:
         """The chain hash of seq's full block j, computed once per block and kept on the sequence (a waiting
@@ -304,13 +306,14 @@ class BlockManager:
         self._release_from(seq, cdiv(seq.num_computed_tokens, self.block_size))
         self._check_window(seq)
 
-    def rollback(self, seq: Sequence, num_computed: int) -> None:
+    def rollback(self, seq: Sequence, num_computed: int) -> list[int]:
         """Forget seq's computed tokens past num_computed (rejected guesses: their KV is stale and is
-        overwritten next); blocks past the room for its next token go back."""
+        overwritten next); blocks past the room for its next token go back (returned: the ones now free)."""
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_computed)
         del seq.block_hashes[seq.num_computed_tokens // self.block_size :]
-        self._release_from(seq, cdiv(seq.num_computed_tokens + 1, self.block_size))
+        returned = self._release_from(seq, cdiv(seq.num_computed_tokens + 1, self.block_size))
         self._check_window(seq)
+        return returned
 
     def _check_window(self, seq: Sequence) -> None:
         """After cutting seq back: if a windowed group already gave back a block the next token sees, the KV
@@ -322,14 +325,18 @@ class BlockManager:
                 self.free(seq)
                 return
 
-    def _release_from(self, seq: Sequence, keep: int) -> None:
+    def _release_from(self, seq: Sequence, keep: int) -> list[int]:
+        """Release seq's blocks past its first `keep`; returns those that went back to the pool."""
+        freed = []
         for table in self._tables(seq):
             for block_id in reversed(table[keep:]):  # tail first: evicted before the shared head
-                self._release(block_id)
+                if self._release(block_id):
+                    freed.append(block_id)
             del table[keep:]
         self.drop_pending(seq)
         if not seq.block_table:
             self.holders.pop(seq.seq_id, None)
+        return freed
 
     def block_states(self) -> tuple[list[int], list[int], list[tuple[str, ...]]]:
         """Per block: state (FREE / CACHED / USED), refcount, and the owners holding it."""

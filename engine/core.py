@@ -24,7 +24,7 @@ from engine.requests import ContextLengthError, RequestError, validate
 from engine.sampler import Sampler, SamplingTensors, argmax, make_generator, prompt_logprobs, token_logprobs
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
-from engine.spec_decode import SpeculativeConfig, generator_states, rewind
+from engine.spec_decode import SpecTrace, SpeculativeConfig, generator_states, rewind
 from engine.structured import GrammarError, StructuredOutputs
 from engine.weights.loader import LoadedModel, Stages
 from kernels.cpu import ops as cpu_ops
@@ -371,6 +371,8 @@ class EngineCore:
     def cache_snapshot(self) -> CacheSnapshot:
         bm, sched = self.block_manager, self.scheduler
         state, refcount, owners = bm.block_states()
+        # speculation's marks since the last snapshot; recorded from the first one on (nobody looking: no cost)
+        trace, sched.spec_trace = sched.spec_trace, SpecTrace() if sched.proposer is not None else None
         return CacheSnapshot(
             num_blocks=bm.num_blocks, block_size=bm.block_size, state=tuple(state), refcount=tuple(refcount),
             owners=tuple(owners), num_running=len(sched.running), num_waiting=len(sched.waiting),
@@ -379,6 +381,7 @@ class EngineCore:
             constrained=tuple(sorted({s.owner for g in self.groups.values() if g.grammar is not None for s in g.seqs})),
             spec_drafts=sched.spec_steps, spec_draft_tokens=sched.spec_draft_tokens,
             spec_accepted_tokens=sched.spec_accepted_tokens, spec_accepted_per_pos=tuple(sched.spec_accepted_per_pos),
+            **(trace.marks(state) if trace is not None else {}),
             **(dict(group=tuple(bm.block_groups()), group_names=self.kv_layout.names())
                if self.kv_layout.num_groups > 1 else {}),
         )  # fmt: skip

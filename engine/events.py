@@ -5,7 +5,7 @@ Plain frozen dataclasses, so they can cross threads and be rendered by any front
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 FREE, CACHED, USED, NULL = 0, 1, 2, 3  # per-block state in a CacheSnapshot (NULL: the windowed groups' null block)
@@ -34,6 +34,13 @@ class CacheSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # what checks did to the pool since the previous snapshot (a snapshot falls between steps, when a step's guesses
+    # are already kept or rolled back): blocks that held guesses as they were checked (still held), blocks a
+    # rollback gave back (still free: drawn once as returned), and the guess slots checked and rejected
+    spec_guess_blocks: tuple[int, ...] = ()
+    spec_returned_blocks: tuple[int, ...] = ()
+    spec_recent_guesses: int = 0
+    spec_recent_rejected: int = 0
     # KV cache groups, where a model has several (sliding-window layers: a full and a windowed one): per block the
     # group whose layers it holds (-1: free), and each group's name; both empty for a model of one group
     group: tuple[int, ...] = ()
@@ -75,6 +82,18 @@ class CacheSnapshot:
     @property
     def hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def after(self, earlier: CacheSnapshot) -> CacheSnapshot:
+        """This snapshot with the speculation marks of an earlier one nobody drew folded in (a front end that keeps
+        only the newest of a burst), each block named as it is now: still held, a guess block; still free, returned."""
+        if not (earlier.spec_guess_blocks or earlier.spec_returned_blocks or earlier.spec_recent_guesses):
+            return self
+        guess, returned = set(self.spec_guess_blocks), set(self.spec_returned_blocks)
+        guess |= {b for b in earlier.spec_guess_blocks if self.state[b] == USED and b not in returned}
+        returned |= {b for b in earlier.spec_returned_blocks if self.state[b] in (FREE, CACHED) and b not in guess}
+        return replace(self, spec_guess_blocks=tuple(sorted(guess)), spec_returned_blocks=tuple(sorted(returned)),
+                       spec_recent_guesses=self.spec_recent_guesses + earlier.spec_recent_guesses,
+                       spec_recent_rejected=self.spec_recent_rejected + earlier.spec_recent_rejected)
 
 
 @dataclass(frozen=True)

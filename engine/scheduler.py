@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.spec_decode import Proposer, SpecState, StepCost, accepted
+from engine.spec_decode import Proposer, SpecState, SpecTrace, StepCost, accepted
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Scheduler:
         self.step_cost = StepCost()  # decode steps' time by rows: what guesses cost (EngineCore records it)
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculation's counters
         self.spec_accepted_per_pos = [0] * (proposer.k if proposer else 0)  # kept guesses at each position
+        self.spec_trace: SpecTrace | None = None  # what checks did to the pool since the last snapshot (once taken)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle conversations, oldest first
@@ -233,7 +234,9 @@ class Scheduler:
         k = seq.num_draft_tokens
         keep = accepted(seq.token_ids[len(seq) - k :], sampled)
         old = seq.num_computed_tokens - k - 1  # before the step
-        self.bm.rollback(seq, len(seq) - k + keep)  # its last token and the guesses kept are computed
+        if self.spec_trace is not None:  # the blocks its guesses were written to, before any goes back
+            self.spec_trace.checked(seq.block_tables, len(seq) - k, len(seq), self.bm.block_size, k - keep)
+        self._rollback(seq, len(seq) - k + keep)  # its last token and the guesses kept are computed
         self.bm.cache_full_blocks(seq, old)
         del seq.token_ids[len(seq) - k :]
         seq.num_draft_tokens = 0
@@ -244,6 +247,10 @@ class Scheduler:
             self.spec_steps + 1, self.spec_draft_tokens + k, self.spec_accepted_tokens + keep)
         return sampled[: keep + 1]
 
+    def _rollback(self, seq: Sequence, num_computed: int) -> None:
+        returned = self.bm.rollback(seq, num_computed)
+        if self.spec_trace is not None:
+            self.spec_trace.returned(returned)
 
     def _fork_sample(self, seq: Sequence, index: int) -> Sequence:
         child = Sequence(seq.token_ids, seq.group, index)
@@ -271,7 +278,7 @@ class Scheduler:
         """seq is done: parked with its blocks for its conversation's next turn, or released."""
         seq.finish_reason, seq.finish_time = reason, time.monotonic()
         if seq.num_computed_tokens >= len(seq):  # stopped on a kept guess: the tokens after it are not its
-            self.bm.rollback(seq, len(seq) - 1)
+            self._rollback(seq, len(seq) - 1)
         if park:
             self.remove(seq)
             self.park(seq)

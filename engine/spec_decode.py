@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.events import USED
+
 METHODS = ("ngram", "draft_model")
 
 
@@ -207,6 +209,40 @@ class StepCost:
         return best
 
 
+@dataclass
+class SpecTrace:
+    """What speculative steps did to the KV pool since the last look, for the visualiser (a snapshot is taken
+    between steps, when the guesses a step checked are already kept or rolled back): the blocks that held
+    guesses while they were checked, the blocks rollbacks gave back to the pool, and the guess slots checked
+    and rejected. The scheduler records into one only once someone looks (EngineCore.cache_snapshot swaps in
+    a fresh one each time): a few set inserts per check, the sets bounded by the pool."""
+
+    guess_blocks: set[int] = field(default_factory=set)
+    returned_blocks: set[int] = field(default_factory=set)
+    guesses: int = 0
+    rejected: int = 0
+
+    def checked(self, tables: list[list[int]], start: int, end: int, block_size: int, rejected: int) -> None:
+        """Positions [start, end) of a sequence with these block tables held guesses, `rejected` of them wrong."""
+        for table in tables:
+            for block_id in table[start // block_size : -(-end // block_size)]:
+                self.guess_blocks.add(block_id)
+                self.returned_blocks.discard(block_id)
+        self.guesses, self.rejected = self.guesses + end - start, self.rejected + rejected
+
+    def returned(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.returned_blocks.add(block_id)
+            self.guess_blocks.discard(block_id)
+
+    def marks(self, state: list[int]) -> dict[str, Any]:
+        """Its CacheSnapshot fields for a pool in `state` (per block): the guess blocks still held, the blocks
+        given back still free (one taken again since is drawn as what it is now)."""
+        return dict(spec_guess_blocks=tuple(sorted(b for b in self.guess_blocks if state[b] == USED)),
+                    spec_returned_blocks=tuple(sorted(b for b in self.returned_blocks if state[b] != USED)),
+                    spec_recent_guesses=self.guesses, spec_recent_rejected=self.rejected)
+
+
 def accepted(drafts: list[int], sampled: list[int]) -> int:
     """How many guesses stand: the leading ones equal to the tokens sampled at their positions."""
     count = 0
@@ -230,5 +266,5 @@ def rewind(generator: Any, state: Any, draws: int) -> None:
         torch.empty(1, dtype=torch.float64, device=generator.device).uniform_(generator=generator)
 
 
-__all__ = ["METHODS", "NgramProposer", "Proposer", "SpecState", "SpeculativeConfig", "StepCost", "accepted",
-           "generator_states", "rewind"]
+__all__ = ["METHODS", "NgramProposer", "Proposer", "SpecState", "SpecTrace", "SpeculativeConfig", "StepCost",
+           "accepted", "generator_states", "rewind"]

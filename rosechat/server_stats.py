@@ -91,6 +91,7 @@ def snapshot_from_json(data: dict[str, Any]) -> CacheSnapshot:
     values["constrained"] = tuple(values.get("constrained", ()))
     values["group"] = tuple(values.get("group", ()))
     values["group_names"] = tuple(values.get("group_names", ()))
-    values["spec_accepted_per_pos"] = tuple(values.get("spec_accepted_per_pos", ()))
+    for key in ("spec_accepted_per_pos", "spec_guess_blocks", "spec_returned_blocks"):
+        values[key] = tuple(values.get(key, ()))
     values["time"] = time.monotonic()  # the server's clock means nothing here
     return CacheSnapshot(**values)

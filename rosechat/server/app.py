@@ -383,7 +383,11 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
                 "tokens_per_s": snap.tokens_per_s, "constrained": list(snap.constrained),
                 "spec_drafts": snap.spec_drafts, "spec_draft_tokens": snap.spec_draft_tokens,
                 "spec_accepted_tokens": snap.spec_accepted_tokens,
-                "spec_accepted_per_pos": list(snap.spec_accepted_per_pos)}
+                "spec_accepted_per_pos": list(snap.spec_accepted_per_pos),
+                # since the previous snapshot: blocks that held guesses as they were checked, blocks rollbacks gave back
+                "spec_guess_blocks": list(snap.spec_guess_blocks),
+                "spec_returned_blocks": list(snap.spec_returned_blocks),
+                "spec_recent_guesses": snap.spec_recent_guesses, "spec_recent_rejected": snap.spec_recent_rejected}
 
     app.add_middleware(Guard, api_key=s.api_key, max_body_bytes=s.max_body_bytes)
     return app

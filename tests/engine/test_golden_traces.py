@@ -35,7 +35,8 @@ GOLDEN = Path(__file__).parent / "golden"
 TIMING = {"ttft_s", "total_s", "tokens_per_s", "sample_tokens_per_s", "time"}
 # empty unless a request (or the engine's config, or a model with sliding windows) asks, and none here does: left out
 ASKED_FOR = {"logprobs", "prompt_logprobs", "constrained", "sample_guesses", "spec_drafts", "spec_draft_tokens",
-             "spec_accepted_tokens", "spec_accepted_per_pos", "group", "group_names"}
+             "spec_accepted_tokens", "spec_accepted_per_pos", "spec_guess_blocks", "spec_returned_blocks",
+             "spec_recent_guesses", "spec_recent_rejected", "group", "group_names"}
 SYSTEM = {"role": "system", "content": "you are a helpful assistant and answer briefly"}
 
 
