@@ -3,8 +3,9 @@
 The engine calls ``EventBuffer.push`` on its own thread for every event; that must never block,
 so it only appends to a lock-protected list. The UI drains the buffer on a timer (~30 Hz) and gets
 one coalesced ``Batch``: the text deltas of each (request, sample) joined into one string, every
-``Finished``/``EngineError`` in order, and only the newest ``CacheSnapshot``. A burst of hundreds of
-tokens therefore costs the UI one update per reply per frame, not one message per token.
+``Finished``/``EngineError`` in order, and only the newest ``CacheSnapshot`` (with the speculation marks
+of those it replaces, CacheSnapshot.after). A burst of hundreds of tokens therefore costs the UI one
+update per reply per frame, not one message per token.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class EventBuffer:
                 batch.starts.append(event)
             elif isinstance(event, TurnPreempted):
                 batch.preempted[event.request_id] = event.waiting
-            elif isinstance(event, CacheSnapshot):
-                batch.snapshot = event
+            elif isinstance(event, CacheSnapshot):  # the newest, with what speculation did since the last drawn
+                batch.snapshot = event if batch.snapshot is None else event.after(batch.snapshot)
             elif isinstance(event, (Finished, EngineError)):
                 batch.ends.append(event)
             elif isinstance(event, ServerStats):

@@ -8,9 +8,7 @@ segment), so ~10 updates a second over a few thousand blocks stay cheap.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from rich.segment import Segment
 from rich.style import Style
@@ -23,65 +21,31 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
 
-from engine.events import CACHED, NULL, USED, CacheSnapshot, LoadProgress
+from engine.events import CacheSnapshot, LoadProgress
 from rosechat.server_stats import ServerStats
+from rosechat.widgets.kv_cells import (
+    CACHED_GLYPHS,
+    GUESS_STYLE,
+    K_CACHED,
+    K_FREE,
+    K_GUESS,
+    K_NULL,
+    K_RETURNED,
+    K_SHARED,
+    K_USED,
+    PALETTE,
+    RETURNED_STYLE,
+    USED_GLYPHS,
+    Cell,
+    OwnerStyle,
+    glyph,
+    group_cells,
+    owner_color,
+)
 from rosechat.widgets.loading import LoadBar, StageLog
 from rosechat.widgets.server_view import ServerView
 
-# Distinct on dark and light backgrounds; tabs take them in order, unknown owners by a stable hash.
-PALETTE = (
-    "#e5677f", "#5fb3f6", "#98c379", "#e5c07b", "#c678dd", "#56b6c2",
-    "#f08d49", "#a3be8c", "#ff79c6", "#8be9fd", "#d19a66", "#b48ead",
-)
 CELL_WIDTH = 2  # one glyph and a gap, so neighbouring blocks stay distinguishable
-
-# Cell kinds, in order of interest: a cell that groups several blocks shows its most interesting one.
-K_NULL, K_FREE, K_CACHED, K_USED, K_SHARED = -1, 0, 1, 2, 3
-# A model with sliding-window layers has KV cache groups: the full group's blocks are solid, a windowed group's
-# shaded, so its few blocks are seen sliding along and going back to the pool.
-USED_GLYPHS, CACHED_GLYPHS = ("█", "▓", "▚"), ("▒", "░", "░")
-
-
-def owner_color(owner: str) -> str:
-    """A stable colour for an owner id (crc32, not hash(): that changes between runs)."""
-    return PALETTE[zlib.crc32(owner.encode()) % len(PALETTE)]
-
-
-@dataclass(frozen=True)
-class OwnerStyle:
-    label: str
-    color: str
-
-
-@dataclass(frozen=True)
-class Cell:
-    kind: int
-    owner: str | None = None  # for USED/SHARED: the holder the colour comes from
-    refcount: int = 0
-    group: int = 0  # the KV cache group of its block (USED/CACHED)
-
-
-def group_cells(snapshot: CacheSnapshot, capacity: int) -> tuple[int, list[Cell]]:
-    """Fold the pool into at most ``capacity`` cells; returns (blocks per cell, cells)."""
-    n = snapshot.num_blocks
-    per_cell = max(1, math.ceil(n / max(1, capacity)))
-    state, refcount, owners = snapshot.state, snapshot.refcount, snapshot.owners
-    group = snapshot.group or (0,) * n
-    cells: list[Cell] = []
-    for start in range(0, n, per_cell):
-        best_kind, best_block = K_NULL - 1, start
-        for b in range(start, min(start + per_cell, n)):
-            s = state[b]
-            kind = ((K_SHARED if refcount[b] > 1 else K_USED) if s == USED else K_CACHED if s == CACHED
-                    else K_NULL if s == NULL else K_FREE)  # fmt: skip
-            if kind > best_kind or (kind == K_SHARED and refcount[b] > refcount[best_block]):
-                best_kind, best_block = kind, b
-        if best_kind >= K_USED:
-            holders = owners[best_block]
-            cells.append(Cell(best_kind, holders[0] if holders else None, refcount[best_block], group[best_block]))
-        else:
-            cells.append(Cell(best_kind, group=max(0, group[best_block])))
-    return per_cell, cells
 
 
 class BlockMap(Widget):
@@ -123,13 +87,17 @@ class BlockMap(Widget):
         return style.color if style else owner_color(owner)
 
     def _cell_segment(self, cell: Cell, base: Style) -> tuple[str, Style]:
+        if cell.kind == K_GUESS:
+            return "?", base + GUESS_STYLE
+        if cell.kind == K_RETURNED:
+            return "↩", base + RETURNED_STYLE
         if cell.kind == K_SHARED:
             digit = str(cell.refcount) if cell.refcount < 10 else "+"
             return digit, base + Style(color="#000000", bgcolor=self.color_of(cell.owner), bold=True)
         if cell.kind == K_USED:
-            return _glyph(USED_GLYPHS, cell.group), base + Style(color=self.color_of(cell.owner))
+            return glyph(USED_GLYPHS, cell.group), base + Style(color=self.color_of(cell.owner))
         if cell.kind == K_CACHED:
-            return _glyph(CACHED_GLYPHS, cell.group), base + Style(color="#7f8491")
+            return glyph(CACHED_GLYPHS, cell.group), base + Style(color="#7f8491")
         if cell.kind == K_NULL:
             return "×", base + Style(color="#4b5060")
         return "·", base + Style(color="#4b5060")
@@ -155,10 +123,6 @@ class BlockMap(Widget):
         if y < len(self._strips):
             return self._strips[y]
         return Strip.blank(self.size.width, self.rich_style)
-
-
-def _glyph(glyphs: tuple[str, ...], group: int) -> str:
-    return glyphs[min(group, len(glyphs) - 1)]
 
 
 def _merge(pieces: list[tuple[str, Style]]) -> list[Segment]:
@@ -225,7 +189,7 @@ def _full_rows(s: CacheSnapshot, used: int) -> list[tuple[str, str]]:
 
 def groups_line(s: CacheSnapshot) -> str:
     """The blocks each KV cache group holds, e.g. "█ full 43 · ▓ window 8: 3"."""
-    return " · ".join(f"{_glyph(USED_GLYPHS, g)} {name}{':' if ' ' in name else ''} {n}"
+    return " · ".join(f"{glyph(USED_GLYPHS, g)} {name}{':' if ' ' in name else ''} {n}"
                       for g, (name, n) in enumerate(zip(s.group_names, s.group_blocks())))
 
 
@@ -245,9 +209,11 @@ def legend_text(snapshot: CacheSnapshot, owner_styles: Mapping[str, OwnerStyle],
         Text.assemble(("·", "#4b5060"), " free"),
     ]
     if len(snapshot.group_names) > 1:  # sliding-window layers: each group's glyph, the null block's
-        entries += [Text.assemble((_glyph(USED_GLYPHS, g), "#bbbbbb"), f" {name}")
+        entries += [Text.assemble((glyph(USED_GLYPHS, g), "#bbbbbb"), f" {name}")
                     for g, name in enumerate(snapshot.group_names)]
         entries.append(Text.assemble(("×", "#4b5060"), " null"))
+    if snapshot.spec_draft_tokens:  # speculation ran: its blocks, as the steps since the last snapshot left them
+        entries += [Text.assemble(("?", GUESS_STYLE), " guesses"), Text.assemble(("↩", RETURNED_STYLE), " rolled back")]
     entries += [Text.assemble(("█", color), f" {label}") for label, color in present.items()]
     text = Text(no_wrap=True, overflow="ellipsis")
     line_length = 0
@@ -394,5 +360,6 @@ class KVPanel(Widget):
             self._draw()
 
 
-__all__ = ["BlockMap", "Cell", "KVPanel", "KVStats", "OwnerStyle", "PALETTE", "group_cells", "groups_line",
-           "owner_color", "stats_text"]
+__all__ = ["BlockMap", "Cell", "K_CACHED", "K_FREE", "K_GUESS", "K_NULL", "K_RETURNED", "K_SHARED", "K_USED",
+           "KVPanel", "KVStats", "OwnerStyle", "PALETTE", "group_cells", "groups_line", "legend_text", "owner_color",
+           "stats_text"]

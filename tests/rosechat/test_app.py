@@ -21,7 +21,7 @@ from rosechat.app import RoseChatApp
 from rosechat.config import load_config
 from rosechat.history import HistoryStore
 from rosechat.screens import ConfirmScreen, ConversationsScreen, SystemPromptScreen, TextPromptScreen
-from rosechat.widgets.kv_panel import BlockMap, KVPanel, stats_text
+from rosechat.widgets.kv_panel import K_USED, BlockMap, KVPanel, stats_text
 from rosechat.widgets.tab import ChatTab
 
 SIZE = (110, 40)
@@ -254,7 +254,7 @@ async def test_kv_panel_shows_the_engine_snapshot(tmp_path: Path) -> None:
         used = [b for b, s in enumerate(truth.state) if s == USED]
         # the map's cells are built as it is drawn (and the stats redrawn once laid out), after the
         # snapshot arrives: wait for a draw of this one
-        await wait_for(pilot, lambda: [i for i, c in enumerate(block_map.cells) if c.kind >= 2] == used
+        await wait_for(pilot, lambda: [i for i, c in enumerate(block_map.cells) if c.kind >= K_USED] == used
                        and f"{truth.used_blocks} / {truth.num_blocks}" in str(panel.query_one("#kv-stats").render()),
                        "the block map and the figures drawn")
         snap = panel.snapshot
@@ -264,7 +264,7 @@ async def test_kv_panel_shows_the_engine_snapshot(tmp_path: Path) -> None:
         stats = str(panel.query_one("#kv-stats").render())
         assert f"{truth.used_blocks} / {truth.num_blocks}" in stats
         assert stats_text(truth).plain.splitlines()[:9] == stats.splitlines()[:9]
-        used_cells = [i for i, c in enumerate(block_map.cells) if c.kind >= 2]
+        used_cells = [i for i, c in enumerate(block_map.cells) if c.kind >= K_USED]
         assert used_cells == used  # 96 blocks fit: 1 per cell
         legend = str(panel.query_one("#kv-legend").render())
         assert tab.chat_title in legend
