@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "`rosechat bench serve --help`: rosechat serve under concurrent streams; "
                    "`rosechat bench app --help`: the app's tok/s and key latency against the engine's; "
                    "`rosechat bench structured --help`: a batch's step time with JSON Schema rows in it; "
-                   "`rosechat bench spec --help`: speculative decoding against plain, one chat at a time.)")
+                   "`rosechat bench spec --help`: speculative decoding against plain, one chat at a time or several "
+                   "at once (--streams N).)")
     p.add_argument("--model", default="demo-135m",
                    help="a .gguf file, a folder, a hub id, smollm2-135m-instruct, or demo / demo-135m (default)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,

@@ -4,6 +4,10 @@ repeats the prompt) and a free chat workload, llama.cpp with and without its pro
 file. Each system decodes each prompt in turn, the systems alternate, best of N rounds; the figure is decode tok/s
 (output tokens after the first over the time after the first). Speculation must give the same text.
 
+`--streams N` runs the free chat workload as N chats at once instead (N prompts decoded in one batch, rosechat
+only: llama-cpp-python decodes one sequence): the figure is the batch's aggregate decode tok/s, so the measured
+cost of a check (engine/spec_decode.py StepCost, ROSECHAT_SPEC_COST) is judged with several decodes per step.
+
 A draft model: `--speculative-config '{"model": "smollm2-135m-instruct", "num_speculative_tokens": 4}'`, with
 `--target-shape 360M` for a target of a larger SmolLM2 shape (random weights, SmolLM2's tokenizer: written once
 by `bench scale`'s writer), where the draft's guesses are near-random, so its acceptance is near zero."""
@@ -49,6 +53,13 @@ WORKLOADS = {
     "chat": ["Write a long story about a dragon who learns to read.",
              "Explain how a KV cache speeds up text generation."],
 }
+# the concurrent chats of --streams N: the chat workload's prompts first, then these, in turn
+MORE_CHATS = ["Describe a day in the life of a lighthouse keeper.",
+              "What should I pack for a week of hiking in the mountains?",
+              "Write a poem about the sea at night.",
+              "Give me some tips for learning to cook at home.",
+              "Tell me about the history of the bicycle.",
+              "Why is the sky blue? Explain it to a child."]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -65,6 +76,30 @@ def _rosechat_round(llm: Any, prompts: list[list[int]], max_tokens: int) -> list
         tokens = reply.outputs[0].token_ids
         out.append({"tokens": tokens, "tok_s": _rate(len(tokens), reply.ttft_s, reply.total_s)})
     return out
+
+
+def batch_rate(replies: list[tuple[int, float, float]]) -> float:
+    """Aggregate decode tok/s of replies decoded together from one start, each (tokens, seconds to its first token,
+    seconds to its last): every reply's tokens after its first over the time from the last first token to the last
+    token (the prompts are prefilled in one step, so no reply decodes before another's first token)."""
+    tokens = sum(max(n - 1, 0) for n, _, _ in replies)
+    span = max((total for _, _, total in replies), default=0.0) - max((first for _, first, _ in replies), default=0.0)
+    return tokens / span if tokens and span > 0 else 0.0
+
+
+def chat_streams(n: int) -> list[str]:
+    """The first n concurrent chats' prompts (cycled when n outnumbers them)."""
+    pool = WORKLOADS["chat"] + MORE_CHATS
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def _batch_round(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    """All prompts at once, as concurrent chats: one result, their aggregate rate, every reply's tokens."""
+    from engine import SamplingParams
+
+    replies = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    tokens = [r.outputs[0].token_ids for r in replies]
+    return [{"tokens": tokens, "tok_s": batch_rate([(len(t), r.ttft_s, r.total_s) for t, r in zip(tokens, replies)])}]
 
 
 def _llama_round(llm: Any, prompts: list[list[int]], max_tokens: int, eos: set[int]) -> list[dict[str, Any]]:
@@ -100,11 +135,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = str(cached_gguf(args.target_shape, "Q4_1")[0])
     plain = LLMEngine.from_pretrained(model, **common)
     spec = LLMEngine.from_pretrained(model, speculative_config=spec_config, **common)
-    prompts = {w: [plain.render_chat([{"role": "user", "content": p}]) for p in ps] for w, ps in WORKLOADS.items()}
+    texts = {w: WORKLOADS[w] for w in args.workloads}
+    if args.streams > 1 and "chat" in texts:  # the chats at once, in one batch
+        del texts["chat"]
+        texts[f"chat x{args.streams}"] = chat_streams(args.streams)
+    prompts = {w: [plain.render_chat([{"role": "user", "content": p}]) for p in ps] for w, ps in texts.items()}
     lookup = "model" not in spec_config and spec_config.get("method", "ngram") == "ngram"
     spec_name = "rosechat ngram" if lookup else "rosechat draft"
     systems: dict[str, Any] = {"rosechat": lambda ps: _rosechat_round(plain, ps, args.max_tokens),
                                spec_name: lambda ps: _rosechat_round(spec, ps, args.max_tokens)}
+    batched = {"rosechat": lambda ps: _batch_round(plain, ps, args.max_tokens),
+               spec_name: lambda ps: _batch_round(spec, ps, args.max_tokens)}
     path = _gguf_path(model)
     if path and llama_cpp_available() and not args.no_llama_cpp:
         from llama_cpp import Llama
@@ -122,10 +163,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             llama_lookup = Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=spec_config.get(
                 "num_speculative_tokens", 4), max_ngram_size=spec_config.get("prompt_lookup_max", 4)))
             systems["llama.cpp lookup"] = lambda ps: _llama_round(llama_lookup, ps, args.max_tokens, eos)
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in WORKLOADS}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in prompts}
     for _ in range(args.repeats):
         for workload, ps in prompts.items():
-            for name, round_fn in systems.items():
+            for name, round_fn in (batched if workload.startswith("chat x") else systems).items():
                 got = round_fn(ps)
                 best = results[workload].setdefault(name, got)
                 for i, g in enumerate(got):  # best of the rounds, per prompt
@@ -140,11 +181,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "header": {"model": info.name, "dtype": info.dtype, "quantization": info.quantization, "kernels": info.kernels,
                    "threads": torch.get_num_threads(), "cpu": cpu_model(), "max_tokens": args.max_tokens,
                    "repeats": args.repeats, "speculative_config": spec_config, "source": _source_version(),
+                   "spec_cost": _cost_line(spec.scheduler.step_cost),
                    "load_before": load_before, "load_after": _load(), "wall_s": round(time.perf_counter() - t0, 1)},
         "tok_s": table, "identical": same,
         "acceptance": s.spec_accepted_tokens / max(s.spec_draft_tokens, 1),
         "tokens_per_check": (s.spec_accepted_tokens + s.spec_drafts) / max(s.spec_drafts, 1),
-        "reply_tokens": {w: [len(r["tokens"]) for r in by["rosechat"]] for w, by in results.items()},
+        "reply_tokens": {w: [len(t) for r in by["rosechat"] for t in (r["tokens"] if w.startswith("chat x")
+                                                                     else [r["tokens"]])] for w, by in results.items()},
+        "streams": args.streams,
     }
 
 
@@ -162,8 +206,8 @@ def render(report: dict[str, Any]) -> str:
         f"{h['cpu']} | {h['kernels']}",
         f"load average {h['load_before']} before, {h['load_after']} after | wall {h['wall_s']} s | source "
         f"{h['source']}",
-        f"one chat at a time, greedy, up to {h['max_tokens']} tokens, best of {h['repeats']} alternated rounds; "
-        f"speculation {json.dumps(h['speculative_config'])}",
+        f"{_streams_line(report.get('streams', 1))}, greedy, up to {h['max_tokens']} tokens, best of {h['repeats']} "
+        f"alternated rounds; speculation {json.dumps(h['speculative_config'])}; step cost {h.get('spec_cost', '')}",
         "",
         "workload   system               decode tok/s   vs rosechat",
     ]
@@ -181,6 +225,21 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cost_line(cost: Any) -> str:
+    """What the measured-cost rule ended on: off, or its fit of a decode step's time by rows."""
+    if not cost.on:
+        return "off (ROSECHAT_SPEC_COST=off: the rate alone decides)"
+    if cost.fit is None:
+        return "measured, not fitted yet"
+    base, per_row = cost.fit
+    return f"measured, {1000 * base:.1f} ms + {1000 * per_row:.2f} ms a row"
+
+
+def _streams_line(streams: int) -> str:
+    return "one chat at a time" if streams == 1 else (f"chat x{streams}: {streams} chats at once (aggregate decode "
+                                                      "tok/s), the others one at a time")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rosechat bench spec", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="what the engine loads (default: the app's)")
@@ -190,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "shape (`bench scale`'s, e.g. 360M, 1.7B), for a draft model to draft for")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most")
     p.add_argument("--repeats", type=int, default=2, help="rounds, alternated; the best of each is shown")
+    p.add_argument("--streams", type=int, default=1, metavar="N",
+                   help="the chat workload as N chats decoded at once (aggregate tok/s, rosechat only); default 1")
+    p.add_argument("--workloads", type=lambda v: [w for w in v.split(",") if w], default=list(WORKLOADS),
+                   metavar="LIST", help=f"which to run, comma-separated (default: {','.join(WORKLOADS)})")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -198,8 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.repeats < 1 or args.max_tokens < 2:
-        print("rosechat bench spec: --repeats must be >= 1 and --max-tokens >= 2")
+    if args.repeats < 1 or args.max_tokens < 2 or args.streams < 1:
+        print("rosechat bench spec: --repeats and --streams must be >= 1 and --max-tokens >= 2")
+        return 2
+    if not args.workloads or set(args.workloads) - set(WORKLOADS):
+        print(f"rosechat bench spec: --workloads takes some of {', '.join(WORKLOADS)}")
         return 2
     try:
         json.loads(args.speculative_config)
@@ -209,4 +275,4 @@ def main(argv: list[str]) -> int:
     return report_main("rosechat bench spec", args, run, render, lambda r: all(r["identical"].values()))
 
 
-__all__ = ["main"]
+__all__ = ["batch_rate", "chat_streams", "main"]

@@ -1,0 +1,39 @@
+"""`rosechat bench spec --streams N`: the free chat workload as N chats decoded at once, summed as the batch's
+aggregate decode rate; its options checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from rosechat.bench import spec
+from rosechat.bench.spec import WORKLOADS, batch_rate, build_parser, chat_streams, render
+
+
+def test_batch_rate_counts_every_reply_after_its_first_token_over_the_shared_decode_time() -> None:
+    # (tokens, seconds to the first token, seconds to the last), from one start
+    assert batch_rate([(10, 0.5, 2.5), (5, 0.4, 1.5)]) == pytest.approx((9 + 4) / (2.5 - 0.5))
+    assert batch_rate([(1, 0.5, 0.5), (1, 0.4, 0.4)]) == 0.0  # nothing decoded after the first tokens
+    assert batch_rate([]) == 0.0
+
+
+def test_chat_streams_start_with_the_chat_workload_and_cycle() -> None:
+    assert chat_streams(2) == WORKLOADS["chat"]
+    many = chat_streams(20)
+    assert len(many) == 20 and len(set(many[:8])) == 8 and many[8] == many[0]
+
+
+@pytest.mark.parametrize("argv", [["--streams", "0"], ["--workloads", "chat,poetry"], ["--workloads", ","]])
+def test_bad_options_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert spec.main(argv) == 2
+    assert "rosechat bench spec:" in capsys.readouterr().out
+
+
+def test_streams_run_the_chats_in_one_batch_and_report_their_aggregate() -> None:
+    args = build_parser().parse_args(["--model", "demo", "--no-llama-cpp", "--max-tokens", "6", "--repeats", "1",
+                                      "--streams", "3", "--workloads", "chat"])
+    report = spec.run(args)
+    assert list(report["tok_s"]) == ["chat x3"] and set(report["tok_s"]["chat x3"]) == {"rosechat", "rosechat ngram"}
+    assert all(rate > 0 for rate in report["tok_s"]["chat x3"].values())
+    assert report["reply_tokens"] == {"chat x3": [6, 6, 6]} and report["identical"] == {"chat x3": True}
+    text = render(report)
+    assert "chat x3: 3 chats at once" in text and "chat x3    rosechat ngram" in text and "step cost" in text
