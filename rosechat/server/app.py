@@ -368,7 +368,8 @@ def create_app(llm: LLMEngine, settings: ServerSettings | None = None) -> FastAP
 
     @app.get("/v1/rosechat/kv")
     async def kv_map() -> dict[str, Any]:
-        snap = await hub.fresh_snapshot()
+        await hub.fresh_snapshot()
+        snap = hub.kv_snapshot()
         if snap is None:
             raise APIError(503, "no cache snapshot yet", code="not_ready")
         return {"num_blocks": snap.num_blocks, "block_size": snap.block_size, "state": list(snap.state),

@@ -43,6 +43,8 @@ class EngineHub:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: EngineThread | None = None
         self.snapshot: CacheSnapshot | None = None
+        # the newest snapshot with the speculation marks of every one since the KV map was last served (kv_snapshot)
+        self._unserved: CacheSnapshot | None = None
         self._snapshot_waiters: list[asyncio.Future] = []
         self._turns: dict[str, Turn] = {}
         self._lock = threading.Lock()
@@ -105,6 +107,12 @@ class EngineHub:
             pass
         return self.snapshot
 
+    def kv_snapshot(self) -> CacheSnapshot | None:
+        """The newest snapshot for the KV map, with what speculation did since the map was last served (the
+        engine thread's own snapshots in between carry some of it)."""
+        snap, self._unserved = self._unserved or self.snapshot, None
+        return snap
+
     # ------------------------------------------------------------------ events
     def _on_event(self, event: Event) -> None:  # engine thread: never blocks
         with self._lock:
@@ -123,6 +131,7 @@ class EngineHub:
         for ev in events:
             if isinstance(ev, CacheSnapshot):
                 self.snapshot = ev
+                self._unserved = ev if self._unserved is None else ev.after(self._unserved)
                 waiters, self._snapshot_waiters = self._snapshot_waiters, []
                 for fut in waiters:
                     if not fut.done():

@@ -490,9 +490,11 @@ def test_speculation_counters_reach_metrics_and_the_kv_map() -> None:
         assert sum(per_pos) == kept and per_pos[0] >= per_pos[1]
         snap = kv(server)
         assert (snap["spec_drafts"], snap["spec_draft_tokens"], snap["spec_accepted_tokens"]) == (drafts, guessed, kept)
-        # what checks did since the previous snapshot (here /metrics took one): blocks still held, or given back
+        # what checks did since the map was last served (never: all of them), blocks named as they are now
+        assert (snap["spec_recent_guesses"], snap["spec_recent_rejected"]) == (guessed, guessed - kept)
         assert all(snap["state"][b] == 2 for b in snap["spec_guess_blocks"])
         assert all(snap["state"][b] in (0, 1) for b in snap["spec_returned_blocks"])
-        assert 0 <= snap["spec_recent_rejected"] <= snap["spec_recent_guesses"] <= guessed
+        again = kv(server)
+        assert (again["spec_recent_guesses"], again["spec_guess_blocks"], again["spec_returned_blocks"]) == (0, [], [])
     finally:
         server.stop()
