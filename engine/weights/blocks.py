@@ -59,6 +59,16 @@ def f16_field(data: Tensor, start: int) -> Tensor:
     return data[..., start : start + 2].contiguous().view(torch.float16)[..., 0].float()
 
 
+def exact_scales(scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """Block scales in `dtype` (a format's scale_dtype), refused where that would change a value: float16
+    is chosen only for scales the file stores as float16, and Q4_0's offset -8d is the one that could
+    overflow it."""
+    out = scales.to(dtype)
+    if dtype != scales.dtype and not torch.equal(out.to(scales.dtype), scales):
+        raise ValueError(f"block scales do not fit {dtype} exactly (largest {scales.abs().max().item():g})")
+    return out
+
+
 def ggml_nibbles(qs: Tensor) -> Tensor:
     """GGML's 4-bit layout: byte j holds element j (low nibble) and element j + 16 (high)."""
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1)

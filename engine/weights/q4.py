@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.weights.blocks import GROUP, GGUFBlocks, block_view, f16_field, ggml_nibbles, k_scale_min
+from engine.weights.blocks import GROUP, GGUFBlocks, block_view, exact_scales, f16_field, ggml_nibbles, k_scale_min
 from engine.weights.packed import COMPUTE_DTYPE, ROW_GROUP, BlockWeight, PackedWeight
 from kernels.cpu import ops as cpu_ops
 
@@ -73,21 +73,25 @@ def q4_parts(source: Tensor | GGUFBlocks) -> tuple[Tensor, Tensor, Tensor]:
 
 class Q4Weight(BlockWeight):
     """GGUF-style 4-bit blocks: nibbles [out, in/2] in GGML order, d and m [out, in/32]: w = q * d + m.
-    The nibbles are kept in the kernel's layout (cpu_ops.pack_q4: block pairs interleaved)."""
+    The nibbles are kept in the kernel's layout (cpu_ops.pack_q4: block pairs interleaved); d and m
+    float32 (Q4_K's d * scale products and min/max quantization need it)."""
 
     mode = "int4"
     names = ("qs", "d", "m")
+    scale_dtype = torch.float32
 
     def __init__(self, qs: Tensor, d: Tensor, m: Tensor) -> None:
         self.shape = (qs.shape[0], qs.shape[1] * 2)
-        self.qs, self.d, self.m = cpu_ops.pack_q4(qs), cpu_ops.pack_scales(d), cpu_ops.pack_scales(m)
+        self.qs = cpu_ops.pack_q4(qs)
+        self.d, self.m = (cpu_ops.pack_scales(exact_scales(s, self.scale_dtype)) for s in (d, m))
 
     @classmethod
     def allocate(cls, out_f: int, in_f: int) -> Q4Weight:
         groups, blocks = -(-out_f // ROW_GROUP), in_f // GROUP
         return cls.from_tensors((out_f, in_f), {  # the shapes pack_q4 and pack_scales give
             "qs": cls.advise_huge_pages(torch.empty(out_f, (blocks + blocks % 2) * 16, dtype=torch.uint8)),
-            "d": torch.empty(groups, blocks, ROW_GROUP), "m": torch.empty(groups, blocks, ROW_GROUP)})
+            "d": torch.empty(groups, blocks, ROW_GROUP, dtype=cls.scale_dtype),
+            "m": torch.empty(groups, blocks, ROW_GROUP, dtype=cls.scale_dtype)})
 
     def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
         if _write_q4_blocks(self, r0, source):
@@ -95,8 +99,8 @@ class Q4Weight(BlockWeight):
         qs, d, m = q4_parts(source)
         g0, groups = r0 // ROW_GROUP, -(-qs.shape[0] // ROW_GROUP)
         self.qs[r0 : r0 + qs.shape[0]] = cpu_ops.pack_q4(qs)
-        self.d[g0 : g0 + groups] = cpu_ops.pack_scales(d)
-        self.m[g0 : g0 + groups] = cpu_ops.pack_scales(m)
+        self.d[g0 : g0 + groups] = cpu_ops.pack_scales(exact_scales(d, self.scale_dtype))
+        self.m[g0 : g0 + groups] = cpu_ops.pack_scales(exact_scales(m, self.scale_dtype))
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q4_linear(x, self.qs, self.d, self.m)
@@ -106,6 +110,13 @@ class Q4Weight(BlockWeight):
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+
+class Q4HalfWeight(Q4Weight):
+    """Q4_0 and Q4_1 blocks as the file has them: d and m float16, exactly the file's (Q4_0's m = -8d,
+    exact too), so a block streams 20 bytes, not 24."""
+
+    scale_dtype = torch.float16
 
 
 def _write_q4_blocks(weight: Q4Weight, r0: int, source: Tensor | GGUFBlocks) -> bool:
@@ -123,8 +134,9 @@ def _write_q4_blocks(weight: Q4Weight, r0: int, source: Tensor | GGUFBlocks) -> 
     # rows (group, row) and blocks (pair, half) -> the kernel's [group, pair, row, byte, half]
     nib = data[..., first : first + 16].unflatten(1, (blocks // 2, 2)).unflatten(0, (groups, ROW_GROUP))
     weight.qs[r0 : r0 + n].view(groups, blocks // 2, ROW_GROUP, 16, 2).copy_(nib.permute(0, 2, 1, 4, 3))
-    d = data[..., 0:2].view(torch.float16)[..., 0].float()  # as f16_field
-    m = -8 * d if source.type_name == "Q4_0" else data[..., 2:4].view(torch.float16)[..., 0].float()
+    d = data[..., 0:2].view(torch.float16)[..., 0]  # the file's float16 (f16_field's values)
+    m = exact_scales(-8 * d.float(), weight.scale_dtype) if source.type_name == "Q4_0" else data[..., 2:4].view(
+        torch.float16)[..., 0]
     for out, scales in ((weight.d, d), (weight.m, m)):  # [rows, blocks] -> [group, blocks, row]
         out[g0 : g0 + groups].copy_(scales.view(groups, ROW_GROUP, blocks).transpose(1, 2))
     return True

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.weights.blocks import GROUP, GGUFBlocks, block_view, f16_field
+from engine.weights.blocks import GROUP, GGUFBlocks, block_view, exact_scales, f16_field
 from engine.weights.packed import COMPUTE_DTYPE, ROW_GROUP, BlockWeight, PackedWeight
 from kernels.cpu import ops as cpu_ops
 
@@ -59,16 +59,17 @@ class Q8Weight(BlockWeight):
 
     mode = "int8"
     names = ("qs", "d")
+    scale_dtype = torch.float32  # absmax scales of float weights need it
 
     def __init__(self, qs: Tensor, d: Tensor) -> None:
         self.shape = tuple(qs.shape)
-        self.qs, self.d = cpu_ops.pack_q8(qs), cpu_ops.pack_scales(d)
+        self.qs, self.d = cpu_ops.pack_q8(qs), cpu_ops.pack_scales(exact_scales(d, self.scale_dtype))
 
     @classmethod
     def allocate(cls, out_f: int, in_f: int) -> Q8Weight:
         return cls.from_tensors((out_f, in_f), {  # the shapes pack_q8 and pack_scales give
             "qs": cls.advise_huge_pages(torch.empty(out_f, in_f, dtype=torch.int8)),
-            "d": torch.empty(-(-out_f // ROW_GROUP), in_f // GROUP, ROW_GROUP)})
+            "d": torch.empty(-(-out_f // ROW_GROUP), in_f // GROUP, ROW_GROUP, dtype=cls.scale_dtype)})
 
     def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
         if isinstance(source, GGUFBlocks) and source.type_name == "Q8_0" and source.shape[0] % ROW_GROUP == 0:
@@ -78,12 +79,13 @@ class Q8Weight(BlockWeight):
             groups, g0 = n // ROW_GROUP, r0 // ROW_GROUP
             q = data[..., 2:34].view(torch.int8).unflatten(2, (2, 16)).unflatten(0, (groups, ROW_GROUP))
             self.qs[r0 : r0 + n].view(groups, blocks, ROW_GROUP, 16, 2).copy_(q.permute(0, 2, 1, 4, 3))
-            d = data[..., 0:2].view(torch.float16)[..., 0].float()
+            d = data[..., 0:2].view(torch.float16)[..., 0]
             self.d[g0 : g0 + groups].copy_(d.view(groups, ROW_GROUP, blocks).transpose(1, 2))
             return
         qs, d = q8_parts(source)
         self.qs[r0 : r0 + qs.shape[0]] = cpu_ops.pack_q8(qs)
-        self.d[r0 // ROW_GROUP : r0 // ROW_GROUP + -(-qs.shape[0] // ROW_GROUP)] = cpu_ops.pack_scales(d)
+        self.d[r0 // ROW_GROUP : r0 // ROW_GROUP + -(-qs.shape[0] // ROW_GROUP)] = cpu_ops.pack_scales(
+            exact_scales(d, self.scale_dtype))
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q8_linear(x, self.qs, self.d)
@@ -93,6 +95,12 @@ class Q8Weight(BlockWeight):
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes
+
+
+class Q8HalfWeight(Q8Weight):
+    """Q8_0 (and Q5_0) blocks as the file has them: d float16, exactly the file's: 34 bytes a block."""
+
+    scale_dtype = torch.float16
 
 
 # ------------------------------------------------------------ int8 rows for torch's kernel

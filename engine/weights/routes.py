@@ -39,8 +39,16 @@ from engine.weights.packed import BlockWeight, GPUBlockWeight, PackedWeight
 from engine.weights.q4 import Int4Weight, Q4Weight, int4_from_blocks, q4_parts, quantize_int4
 from engine.weights.q5 import Q8MWeight, q5_0_from_blocks, q8m_from_blocks, q8m_from_shards
 from engine.weights.q6 import Q6Weight, q6_from_blocks, q6_from_shards
-from engine.weights.q8 import Int8Weight, Q8Weight, int8_from_blocks, q8_from_blocks, q8_parts, quantize_int8
-from engine.weights.rowpack import pack_rows
+from engine.weights.q8 import (
+    Int8Weight,
+    Q8HalfWeight,
+    Q8Weight,
+    int8_from_blocks,
+    q8_from_blocks,
+    q8_parts,
+    quantize_int8,
+)
+from engine.weights.rowpack import pack_rows, source_type, streamed_class
 from kernels.cpu import ops as cpu_ops
 
 CPU = torch.device("cpu")
@@ -95,7 +103,8 @@ def pack(source: Source, mode: str, keep_rows: bool = False, device: torch.devic
     if isinstance(source, BlockShards):  # mixed types with no exact form: through fp32
         source = source.dequantize()
     if where == "rosechat":  # by row chunks, into tensors allocated once (rowpack.py)
-        return pack_rows(Q4Weight if mode == "int4" else Q8Weight, source)
+        return pack_rows(streamed_class(mode, [source_type(source)]) or (Q4Weight if mode == "int4" else Q8Weight),
+                         source)
     if mode == "int4":
         return GPUBlockWeight(*q4_parts(source), device)
     return GPUBlockWeight(*q8_parts(source), None, device)
@@ -107,7 +116,7 @@ def exact_int8(source: Source) -> BlockWeight | None:
     all (Q4_K q, k and Q6_K v: q6). None for anything else (float, the types without a kernel)."""
     if isinstance(source, GGUFBlocks):
         if (plain := q8_from_blocks(source) or q5_0_from_blocks(source)) is not None:
-            return Q8Weight(*plain)
+            return Q8HalfWeight(*plain)  # both keep the file's float16 scales
         if source.type_name == "Q6_K":
             return Q6Weight.of(*q6_from_blocks(source))
         parts = q8m_from_blocks(source)

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from engine.weights.blocks import GGUFBlocks
 from engine.weights.packed import ROW_GROUP, BlockWeight
-from engine.weights.q4 import Q4Weight
-from engine.weights.q8 import Q8Weight
+from engine.weights.q4 import Q4HalfWeight, Q4Weight
+from engine.weights.q8 import Q8HalfWeight, Q8Weight
 
 CHUNK_ROWS = 1024  # rows converted at a time (a multiple of ROW_GROUP): temporaries of a few MiB
 DENSE = "dense"  # a float source: a dense tensor (safetensors, or a GGUF F32/F16/BF16 tensor)
@@ -31,8 +31,9 @@ FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 # (mode, source type) -> the class packed into by row ranges, on our CPU kernels' route
 STREAMED: dict[tuple[str, str], type[BlockWeight]] = {
-    ("int4", "Q4_0"): Q4Weight, ("int4", "Q4_1"): Q4Weight, ("int4", "Q4_K"): Q4Weight, ("int4", DENSE): Q4Weight,
-    ("int8", "Q8_0"): Q8Weight, ("int8", DENSE): Q8Weight,
+    # the file's float16 scales kept as they are; Q4_K's products and quantized floats' need float32
+    ("int4", "Q4_0"): Q4HalfWeight, ("int4", "Q4_1"): Q4HalfWeight, ("int4", "Q4_K"): Q4Weight,
+    ("int4", DENSE): Q4Weight, ("int8", "Q8_0"): Q8HalfWeight, ("int8", DENSE): Q8Weight,
 }
 
 

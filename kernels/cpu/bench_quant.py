@@ -23,14 +23,19 @@ def _weights(n: int, k: int, gen: torch.Generator) -> dict[str, tuple[Callable, 
 
     d = ops.pack_scales(torch.rand(n, k // 32, generator=gen))
     m = ops.pack_scales(torch.rand(n, k // 32, generator=gen))
-    q6 = (ops.pack_q8(ints(-32, 32, (n, k))), ops.pack_scales(torch.rand(n, k // 256, generator=gen)),
+    q6 = (ops.pack_q8(ints(-32, 32, (n, k))), ops.pack_scales(torch.rand(n, max(k // 256, 1), generator=gen)),
           ops.pack_sub_scales(ints(-128, 128, (n, k // 16))))
     nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    return {"q8 (Q8_0, Q5_0)": (ops.q8_linear, (ops.pack_q8(ints(-127, 128, (n, k))), d)),
+    q8 = ops.pack_q8(ints(-127, 128, (n, k)))
+    formats = {"q8 f16 (Q8_0, Q5_0)": (ops.q8_linear, (q8, d.half())),
+            "q8 f32 (floats)": (ops.q8_linear, (q8, d)),
             "q8m (Q5_1, Q5_K)": (ops.q8m_linear, (ops.pack_q8(ints(0, 32, (n, k))), d, m)),
             "q6 (Q6_K)": (ops.q6_linear, q6),
             "q6+m (K-quant mix)": (ops.q6_linear, (*q6, m)),
-            "q4 (Q4_x)": (ops.q4_linear, (ops.pack_q4(nibbles), d, m))}
+            "q4 f16 (Q4_0, Q4_1)": (ops.q4_linear, (ops.pack_q4(nibbles), d.half(), m.half())),
+            "q4 f32 (Q4_K)": (ops.q4_linear, (ops.pack_q4(nibbles), d, m))}
+    # K-quant super-blocks span 256 weights: no such file has rows of other widths (SmolLM2's 576)
+    return {name: f for name, f in formats.items() if k % 256 == 0 or not name.startswith("q6")}
 
 
 def _median_s(fn: Callable, args: tuple[torch.Tensor, ...], x: torch.Tensor, reps: int) -> float:

@@ -203,10 +203,11 @@ def pack_q8(q: Tensor) -> Tensor:
 
 
 def pack_scales(d: Tensor) -> Tensor:
-    """Block scales [N, K/32] -> the kernels' groups of 8 rows, float32 [ceil(N/8), K/32, 8] (zeros pad
-    the last group): one load gives a tile the scales of its 8 outputs."""
+    """Block scales [N, K/32] -> the kernels' groups of 8 rows, [ceil(N/8), K/32, 8] (zeros pad the last
+    group): one load gives a tile the scales of its 8 outputs. float16 stays float16 (q4_linear and
+    q8_linear take either), anything else becomes float32."""
     n, nb = d.shape
-    groups = d.float().new_zeros((n + 7) // 8 * 8, nb)
+    groups = d.new_zeros((n + 7) // 8 * 8, nb, dtype=d.dtype if d.dtype == torch.float16 else torch.float32)
     groups[:n] = d
     return groups.view(-1, 8, nb).transpose(1, 2).contiguous()
 
@@ -225,13 +226,13 @@ def pack_sub_scales(sc: Tensor) -> Tensor:
 
 def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs * d + m, per block of 32).T -> [M, N] float32; qs: pack_q4's layout
-    [N, ceil(K/64) * 32] uint8, d and m: pack_scales' layout."""
+    [N, ceil(K/64) * 32] uint8, d and m: pack_scales' layout, both float32 or both float16."""
     return torch.ops.rosechat_quant.q4_linear(x, qs, d, m)
 
 
 def q8_linear(x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs [N, K] int8 in pack_q8's order * d, per block of 32).T -> [M, N] float32;
-    d: pack_scales' layout."""
+    d: pack_scales' layout, float32 or float16."""
     return torch.ops.rosechat_quant.q8_linear(x, qs, d)
 
 

@@ -34,9 +34,10 @@ namespace {
 
 using namespace rosechat::quant;
 
-// q4: nibbles, a pair of blocks a 32-byte unit (the layout above); d and m [ceil(N/8), K/32, 8]
+// q4: nibbles, a pair of blocks a 32-byte unit (the layout above); d and m [ceil(N/8), K/32, 8] of S
+template <typename S>
 struct Q4 : Rows {
-  const float *d, *m;
+  const S *d, *m;
   int64_t nb;
   static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b / 2 * stride));
@@ -56,34 +57,40 @@ struct Q4 : Rows {
   static constexpr int kBlocksPerUnit = 2;
 };
 
-// qs uint8 [N, ceil(K/64) * 32] (block pairs, cpu_ops.pack_q4); d and m float32 [ceil(N/8), K/32, 8]
-Q4 q4_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+// qs uint8 [N, ceil(K/64) * 32] (block pairs, cpu_ops.pack_q4); d and m [ceil(N/8), K/32, 8], both float32
+// or both float16 (S)
+template <typename S>
+Q4<S> q4_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   TORCH_CHECK(d.dim() == 3 && qs.dim() == 2, "q4 weight [N, ceil(K/64) * 32], block scales [ceil(N/8), K/32, 8] "
               "(cpu_ops.pack_scales)");
   const int64_t n = qs.size(0), nb = d.size(1);  // the scales count the blocks
-  check_scales(d, n, nb, "block scales");
-  check_scales(m, n, nb, "q4 offsets");
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(1) == (nb + 1) / 2 * 32,
               "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4), K = ", nb * kBlock);
-  return Q4{Rows{qs.data_ptr<uint8_t>(), n, qs.size(1)}, d.data_ptr<float>(), m.data_ptr<float>(), nb};
+  return Q4<S>{Rows{qs.data_ptr<uint8_t>(), n, qs.size(1)}, scales<S>(d, n, nb, "block scales"),
+               scales<S>(m, n, nb, "q4 offsets"), nb};
 }
 
 // x [M, K] float32 @ the q4 weight (q4_weight) -> [M, N] float32
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  const Q4 w = q4_weight(qs, d, m);
-  check_x(x, w.nb * kBlock);
-  return blocked_linear(x, w);
+  return with_scales(d, [&](auto s) {
+    const auto w = q4_weight<decltype(s)>(qs, d, m);
+    check_x(x, w.nb * kBlock);
+    return blocked_linear(x, w);
+  });
 }
 
 // x [M, K] float32 @ the q8 weight (q8_weight) -> [M, N] float32
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
-  const Q8 w = q8_weight(qs, d);
-  check_x(x, w.nb * kBlock);
-  return blocked_linear(x, w);
+  return with_scales(d, [&](auto s) {
+    const auto w = q8_weight<decltype(s)>(qs, d);
+    check_x(x, w.nb * kBlock);
+    return blocked_linear(x, w);
+  });
 }
 
-at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {
-  const Q4 w = q4_weight(qs, d, m);
+// Rows ids as float32 (an embedding lookup), as engine/weights/packed.block_rows rounds them
+template <typename S>
+at::Tensor q4_rows_of(const Q4<S>& w, const at::Tensor& ids) {
   const int64_t nb = w.nb;
   return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
     const uint8_t* row = w.row(r);
@@ -100,8 +107,8 @@ at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
   });
 }
 
-at::Tensor q8_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& ids) {
-  const Q8 w = q8_weight(qs, d);
+template <typename S>
+at::Tensor q8_rows_of(const Q8<S>& w, const at::Tensor& ids) {
   const int64_t nb = w.nb;
   return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
     const uint8_t* row = w.row(r);
@@ -115,6 +122,14 @@ at::Tensor q8_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
       }
     }
   });
+}
+
+at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {
+  return with_scales(d, [&](auto s) { return q4_rows_of(q4_weight<decltype(s)>(qs, d, m), ids); });
+}
+
+at::Tensor q8_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& ids) {
+  return with_scales(d, [&](auto s) { return q8_rows_of(q8_weight<decltype(s)>(qs, d), ids); });
 }
 
 }  // namespace

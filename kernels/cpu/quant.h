@@ -10,6 +10,7 @@
 #include "pool.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 // The avx512 variant (kernels/cpu/isa.py) is built for F, BW, VL, DQ and VNNI. Its block sums take
@@ -131,12 +132,19 @@ struct Rows {
   const uint8_t* row(int64_t r) const { return q + r / kLanes * kLanes * row_bytes + r % kLanes * 32; }
 };
 
+// Block scales are float32, or float16 (its raw bits, uint16_t) where the file's own are (GGUF Q4_0,
+// Q4_1, Q8_0: exact): a q4 block then streams 20 bytes, as in the file, not 24. F16C converts 8 at once.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return _cvtsh_ss(v); }
+
 // Lane l takes p[index[l]], N values in all: all 8 in order is a load, one a broadcast, else a permute
-template <int N>
-inline __m256 lanes(const float* p, __m256i index) {
-  if constexpr (N == kLanes) return _mm256_loadu_ps(p);
-  else if constexpr (N == 1) return _mm256_broadcast_ss(p);
-  else return _mm256_permutevar8x32_ps(_mm256_loadu_ps(p), index);
+template <int N, typename S>
+inline __m256 lanes(const S* p, __m256i index) {
+  if constexpr (N == kLanes) return load8(p);
+  else if constexpr (N == 1) return _mm256_set1_ps(to_float(*p));
+  else return _mm256_permutevar8x32_ps(load8(p), index);
 }
 // A block's integer sums for one weight row and one row of x: P = 1, the whole block's (block_dot);
 // P = 2, each half's apart (a format with a scale per 16 weights, GGUF's Q6_K). A half's total is at
@@ -174,8 +182,8 @@ inline Sums<P> totals(const Sums<P>& a, const Sums<P>& b) {
 
 // Block scales laid out as cpu_ops.pack_scales lays them, [ceil(N/8), K/32, 8]: the 8 lanes of rows
 // o..o+R (R = 8: a load, 1: a broadcast of o's own, else a permute by w_index)
-template <int R>
-inline __m256 block_lanes(const float* s, int64_t nb, int64_t o, int64_t b, __m256i w_index) {
+template <int R, typename S>
+inline __m256 block_lanes(const S* s, int64_t nb, int64_t o, int64_t b, __m256i w_index) {
   return lanes<R>(s + (o / kLanes * nb + b) * kLanes + (R == 1 ? o % kLanes : 0), w_index);
 }
 
@@ -267,11 +275,22 @@ at::Tensor blocked_linear(const at::Tensor& x, const W& w) {
   return y;
 }
 
-// A packed weight's block scales (or q4's offsets) for n rows of nb blocks, as pack_scales lays them out
-inline void check_scales(const at::Tensor& d, int64_t n, int64_t nb, const char* what) {
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
-                  d.size(1) == nb && d.size(2) == kLanes,
-              what, ": contiguous float32 [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
+// A packed weight's block scales (or q4's offsets) for n rows of nb blocks, as pack_scales lays them out,
+// of element type S (float: float32, uint16_t: float16)
+template <typename S = float>
+inline const S* scales(const at::Tensor& d, int64_t n, int64_t nb, const char* what) {
+  constexpr bool half = std::is_same_v<S, uint16_t>;
+  TORCH_CHECK(d.scalar_type() == (half ? at::kHalf : at::kFloat) && d.is_contiguous() && d.dim() == 3 &&
+                  d.size(0) == (n + 7) / 8 && d.size(1) == nb && d.size(2) == kLanes,
+              what, ": contiguous ", half ? "float16" : "float32", " [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
+  return static_cast<const S*>(d.data_ptr());
+}
+inline void check_scales(const at::Tensor& d, int64_t n, int64_t nb, const char* what) { scales(d, n, nb, what); }
+
+// f(S{}) with S the element type of block scales d: uint16_t for float16, float otherwise (then checked)
+template <typename F>
+auto with_scales(const at::Tensor& d, F f) {
+  return d.scalar_type() == at::kHalf ? f(uint16_t{}) : f(float{});
 }
 inline void check_x(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -283,8 +302,9 @@ inline void check_x(const at::Tensor& x, int64_t k) {
 // in groups of 8 rows, [ceil(N/8), K/32, 8] (cpu_ops.pack_scales). A format's members the tile reads:
 // widen, scale<R>(o, b, part, w_index) (the lanes of rows o..o+R), kParts (1: one scale a block; 2: one
 // a half), kOffset (an offset m a block, as pack_scales lays it out), kBlocksPerUnit.
+template <typename S = float>
 struct Q8 : Rows {
-  const float* d;
+  const S* d;
   int64_t nb;
   static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * stride));
@@ -298,13 +318,14 @@ struct Q8 : Rows {
   static constexpr int kBlocksPerUnit = 1;
 };
 
-// qs int8 [N, K] (cpu_ops.pack_q8's order); d float32 [ceil(N/8), K/32, 8]
-inline Q8 q8_weight(const at::Tensor& qs, const at::Tensor& d) {
+// qs int8 [N, K] (cpu_ops.pack_q8's order); d float32 (or float16: S) [ceil(N/8), K/32, 8]
+template <typename S = float>
+inline Q8<S> q8_weight(const at::Tensor& qs, const at::Tensor& d) {
   TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % kBlock == 0,
               "q8 weight: contiguous int8 [N, K], K a multiple of 32 (cpu_ops.pack_q8)");
   const int64_t n = qs.size(0), k = qs.size(1);
-  check_scales(d, n, k / kBlock, "block scales");
-  return Q8{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k}, d.data_ptr<float>(), k / kBlock};
+  return Q8<S>{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k},
+               scales<S>(d, n, k / kBlock, "block scales"), k / kBlock};
 }
 
 // Rows ids of a packed weight as float32 [ids, K] (an embedding lookup): w = q * d (+ m), rounded as
@@ -327,8 +348,9 @@ at::Tensor weight_rows(const Rows& rows, int64_t k, const at::Tensor& ids, const
 }
 
 // Block b's scale (or offset) of row r in pack_scales' [ceil(N/8), K/32, 8]
-inline float scale_of(const float* s, int64_t nb, int64_t r, int64_t b) {
-  return s[(r / kLanes * nb + b) * kLanes + r % kLanes];
+template <typename S>
+inline float scale_of(const S* s, int64_t nb, int64_t r, int64_t b) {
+  return to_float(s[(r / kLanes * nb + b) * kLanes + r % kLanes]);
 }
 
 }  // namespace rosechat::quant

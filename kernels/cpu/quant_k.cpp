@@ -20,14 +20,14 @@ namespace {
 
 using namespace rosechat::quant;
 
-struct Q8M : Q8 {
+struct Q8M : Q8<> {
   const float* m;
   static constexpr bool kOffset = true;
 };
 
 // sc int8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales): a group's 8 rows' scales of block b's first
 // half, then of its second; d float32 [ceil(N/8), K/256, 8] (cpu_ops.pack_scales of [N, K/256])
-struct Q6 : Q8 {
+struct Q6 : Q8<> {
   const int8_t* sc;
   template <int R>
   __m256 scale(int64_t o, int64_t b, int part, __m256i w_index) const {
@@ -47,7 +47,7 @@ struct Q6M : Q6 {
 };
 
 Q8M q8m_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  const Q8 w = q8_weight(qs, d);
+  const Q8<> w = q8_weight(qs, d);
   check_scales(m, w.n, w.nb, "q8m offsets");
   return Q8M{w, m.data_ptr<float>()};
 }
@@ -63,7 +63,7 @@ Q6 q6_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
                   sc.size(1) == nb && sc.size(2) == 2 && sc.size(3) == kLanes,
               "q6 sub-scales: contiguous int8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales)");
   TORCH_CHECK(qs.is_contiguous(), "q6 weight: contiguous (cpu_ops.pack_q8)");
-  const Q8 w{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, qs.size(1)}, d.data_ptr<float>(), nb};
+  const Q8<> w{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, qs.size(1)}, d.data_ptr<float>(), nb};
   return Q6{w, sc.data_ptr<int8_t>()};
 }
 

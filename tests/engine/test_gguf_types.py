@@ -122,7 +122,7 @@ def test_a_q4_k_m_like_file_is_exact_end_to_end(tmp_path: Path, monkeypatch: pyt
     kinds = {name: type(m.weight).__name__ for name, m in
              [("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
               ("down", layer.mlp.down_proj), ("embed", packed.model.model.embed_tokens)]}
-    assert kinds == {"qkv": "Q6MWeight", "o": "Q8Weight", "gate_up": "Q8MWeight", "down": "Q8MWeight",
+    assert kinds == {"qkv": "Q6MWeight", "o": "Q8HalfWeight", "gate_up": "Q8MWeight", "down": "Q8MWeight",
                      "embed": "Q6Weight"}
     assert isinstance(packed.model.model.embed_tokens, PackedEmbedding)
     ids = tok.encode(PROMPT).ids

@@ -186,8 +186,8 @@ def _check_packed_against_dense(gguf_dir: Path, case, route: str) -> None:
     packed = load_model(str(path), quantization=mode)
     assert routes.route() == route
     linears = [m for m in packed.model.modules() if isinstance(m, PackedLinear)]
-    kinds = {"rosechat": {"Q4Weight", "Q8Weight", "Q8MWeight", "Q6Weight"}, "torch": {"Int4Weight", "Int8Weight"},
-             "triton": {"GPUBlockWeight"}}
+    kinds = {"rosechat": {"Q4Weight", "Q4HalfWeight", "Q8Weight", "Q8HalfWeight", "Q8MWeight", "Q6Weight"},
+             "torch": {"Int4Weight", "Int8Weight"}, "triton": {"GPUBlockWeight"}}
     assert {type(m.weight).__name__ for m in linears} <= kinds[route]
     assert len(linears) == 4 * 2 + (0 if tied else 1)  # qkv, o, gate_up, down per layer (+ head)
     assert isinstance(packed.model.model.embed_tokens, PackedEmbedding) == tied

@@ -32,10 +32,14 @@ def _quantized_x(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (top / 32767.0).double()).view(rows, k)
 
 
-def _q4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+def _scales(shape: tuple[int, int], top: float, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.rand(shape, generator=gen) * top).to(dtype)  # float16: a file's own scales
+
+
+def _q4(n: int, k: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    d = torch.rand(n, k // 32, generator=gen) * 0.02
-    m = -torch.rand(n, k // 32, generator=gen) * 0.1
+    d = _scales((n, k // 32), 0.02, gen, dtype)
+    m = -_scales((n, k // 32), 0.1, gen, dtype)
     g = q.view(n, k // 32, 2, 16)
     qs = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)  # GGML order: byte j = q[j] | q[j + 16] << 4
     qs = cpu_ops.pack_q4(qs)
@@ -43,25 +47,38 @@ def _q4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     return (qs, cpu_ops.pack_scales(d), cpu_ops.pack_scales(m)), w
 
 
-def _q8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+def _q8(n: int, k: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    d = torch.rand(n, k // 32, generator=gen) * 0.01
+    d = _scales((n, k // 32), 0.01, gen, dtype)
     w = (q.view(n, k // 32, 32).double() * d.double()[..., None]).view(n, k)
     return (cpu_ops.pack_q8(q), cpu_ops.pack_scales(d)), w
+
+
+# each format with float32 block scales and with float16 ones (GGUF Q4_0, Q4_1, Q8_0 kept as the file has them)
+FORMATS = ["q4", "q8", "q4-f16", "q8-f16"]
+
+
+def _weight(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    make = _q4 if fmt.startswith("q4") else _q8
+    return make(n, k, gen, torch.float16 if fmt.endswith("f16") else torch.float32)
+
+
+def _op(fmt: str):
+    return cpu_ops.q4_linear if fmt.startswith("q4") else cpu_ops.q8_linear
 
 
 SHAPES = [(1, 576, 960), (2, 64, 5), (3, 1536, 577), (8, 576, 100), (17, 96, 33)]
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows, k, n", SHAPES)
 def test_matches_float64_reference(fmt: str, rows: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n)
-    weight, w = (_q4 if fmt == "q4" else _q8)(n, k, gen)
+    weight, w = _weight(fmt, n, k, gen)
     x = torch.randn(rows, k, generator=gen)
     x[0, :32] = 0  # an all-zero block (scale 0)
     x[-1, 40] = 300.0  # an outlier: only its own block gets coarser
-    y = (cpu_ops.q4_linear if fmt == "q4" else cpu_ops.q8_linear)(x, *weight)
+    y = _op(fmt)(x, *weight)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     exact = x.double() @ w.T
     emulated = _quantized_x(x) @ w.T
@@ -72,15 +89,15 @@ def test_matches_float64_reference(fmt: str, rows: int, k: int, n: int) -> None:
     assert (y.double() - exact).abs().max().item() < 1e-4 * scale
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("k", [96, 160])  # an odd number of blocks: q4's last pair half empty
 def test_every_tile_shape_and_short_group(fmt: str, k: int) -> None:
     """1 to 17 rows of x (tiles of 8, 4, 2 and 1 rows) against 1, 7, 9 and 33 weight rows (a group of
     8 short, whole, and with a short one after): the reference, and each row as it is alone."""
     gen = torch.Generator().manual_seed(k)
-    op = cpu_ops.q4_linear if fmt == "q4" else cpu_ops.q8_linear
+    op = _op(fmt)
     for n in (1, 7, 9, 33):
-        weight, w = (_q4 if fmt == "q4" else _q8)(n, k, gen)
+        weight, w = _weight(fmt, n, k, gen)
         x = torch.randn(17, k, generator=gen)
         alone = torch.cat([op(x[i : i + 1].contiguous(), *weight) for i in range(17)])
         for rows in range(1, 18):
@@ -90,12 +107,12 @@ def test_every_tile_shape_and_short_group(fmt: str, k: int) -> None:
         assert (alone.double() - emulated).abs().max().item() < 1e-6 * emulated.abs().max().item(), n
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_rows_are_independent_of_the_batch(fmt: str) -> None:
     """A row's result does not depend on which rows share its call (batch invariance)."""
     gen = torch.Generator().manual_seed(7)
-    weight, _ = (_q4 if fmt == "q4" else _q8)(37, 128, gen)
-    op = cpu_ops.q4_linear if fmt == "q4" else cpu_ops.q8_linear
+    weight, _ = _weight(fmt, 37, 128, gen)
+    op = _op(fmt)
     x = torch.randn(15, 128, generator=gen)  # tiles of 8, 4, 2 and 1 rows
     together = op(x, *weight)
     alone = torch.cat([op(x[i : i + 1].contiguous(), *weight) for i in range(15)])
@@ -122,6 +139,24 @@ def test_packed_rows_read_back_as_the_blocks_dequantized(k: int, n: int) -> None
         cpu_ops.q8_rows(cpu_ops.pack_q8(q8), cpu_ops.pack_scales(d), torch.tensor([0, n]))
     with pytest.raises(RuntimeError, match="q4 offsets"):  # offsets of another shape: refused, not read past
         cpu_ops.q4_rows(packed, cpu_ops.pack_scales(d), torch.zeros((n + 7) // 8 + 1, k // 32, 8), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_float16_scales_give_the_float32_results_bit_for_bit(fmt: str) -> None:
+    """The same scale values stored as float16 or float32: the kernel converts them to the same floats,
+    so every tile shape and every row lookup gives identical bits (a file's Q4_1 loaded either way)."""
+    gen = torch.Generator().manual_seed(11)
+    half, _ = _weight(f"{fmt}-f16", 21, 160, gen)
+    wide = tuple(t.float() if t.dtype == torch.float16 else t for t in half)
+    assert half[1].dtype == torch.float16 and half[1].shape == wide[1].shape
+    x = torch.randn(13, 160, generator=gen)
+    assert torch.equal(_op(fmt)(x, *half), _op(fmt)(x, *wide))
+    ids = torch.tensor([0, 20, 7, 8])
+    rows = cpu_ops.q4_rows if fmt == "q4" else cpu_ops.q8_rows
+    assert torch.equal(rows(*half, ids), rows(*wide, ids))
+    if fmt == "q4":  # d and m of one type: a mix is refused, not misread
+        with pytest.raises(RuntimeError, match="q4 offsets: contiguous float16"):
+            cpu_ops.q4_linear(x, half[0], half[1], wide[2])
 
 
 def test_bad_inputs_are_refused_clearly() -> None:
