@@ -46,6 +46,16 @@ def _blocks(type_name: str, rows: int = 40, cols: int = 512, seed: int = 0) -> G
     return GGUFBlocks(gguf.quants.quantize(w, qtype), type_name, (rows, cols))
 
 
+def test_scales_that_float16_cannot_hold_are_refused_not_rounded() -> None:
+    """Q4_0's offset is -8d: a scale above 65504 / 8 overflows float16, so the file is refused with the
+    value, rather than multiplied by an infinite offset."""
+    blocks = _blocks("Q4_0", rows=8, cols=64)
+    data = blocks.data.copy().reshape(8, 2, 18)
+    data[3, 1, 0:2] = np.frombuffer(np.float16(9000.0).tobytes(), dtype=np.uint8)  # d = 9000
+    with pytest.raises(ValueError, match="do not fit torch.float16 exactly.*72000"):
+        pack(GGUFBlocks(data.reshape(8, 36), "Q4_0", (8, 64)), "int4")
+
+
 @pytest.fixture(autouse=True)
 def _ours(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROSECHAT_QUANT_KERNELS", "rosechat")
@@ -62,6 +72,10 @@ def test_each_block_type_is_kept_exactly(type_name: str) -> None:
     ids = torch.tensor([[3, 1], [39, 3]])
     assert torch.equal(packed.rows(ids, torch.float32), ref[ids])  # an embedding's lookup
     assert packed.nbytes() == formats.resident_bytes(type_name, ref.numel())
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):  # the file's float16 scales, kept as they are
+        assert packed.d.dtype == torch.float16
+    if type_name in ("Q4_1", "Q8_0"):  # the file's own bytes, rearranged (Q4_0 adds its offsets, Q5_0 a byte a weight)
+        assert packed.nbytes() == formats.file_bytes(type_name, ref.numel())
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 7):  # a decode step, a prefill chunk
         x = torch.randn(rows, 512, generator=gen)
