@@ -7,7 +7,7 @@
     blocks.py      GGUFBlocks: a quantized matrix as its raw GGUF blocks (BlockShards: of mixed types);
                    GGML's byte layout
     formats.py     each GGUF type's packed form under "auto", whether it has a kernel, its memory
-    q4.py          the 4-bit format: Q4_0 / Q4_1 / Q4_K -> Q4Weight (our CPU kernels), Int4Weight (torch's)
+    q4.py          the 4-bit format: Q4_0 / Q4_1 -> Q4HalfWeight, Q4_K -> Q4KWeight (ours), Int4Weight (torch's)
     q5.py          the 5-bit formats: Q5_0 -> Q8Weight, Q5_1 / Q5_K -> Q8MWeight (our CPU kernels)
     q6.py          the 6-bit format: Q6_K (and mixed K-quant shards) -> Q6Weight (our CPU kernels)
     q8.py          the 8-bit format: Q8_0 -> Q8Weight (our CPU kernels), Int8Weight (torch's)

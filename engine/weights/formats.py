@@ -5,7 +5,7 @@ without a kernel (`no_kernel_warning`).
 
 | GGUF type          | file bits/weight | our CPU form (exact)                       | bits/weight loaded |
 | Q4_0, Q4_1         | 4.5-5            | q4: nibbles, d and m (float16) per 32      | 5                  |
-| Q4_K               | 4.5              | q4: nibbles, d and m (float32) per 32      | 6                  |
+| Q4_K               | 4.5              | q4k: nibbles, 6-bit sc and mn per 32, d and dmin (float16) per 256 | 4.625 |
 | Q5_0               | 5.5              | q8: int8 q - 16, d (float16) per 32        | 8.5                |
 | Q5_1, Q5_K         | 5.5-6            | q8m: int8 q, d and m per 32                | 10                 |
 | Q6_K               | 6.6              | q6: int8 q - 32, int8 sc per 16, d per 256 | 8.6                |
@@ -18,7 +18,7 @@ from __future__ import annotations
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 # type -> (precision class under "auto", bits a weight once packed for our CPU kernels)
 FORMS: dict[str, tuple[str, float]] = {
-    "Q4_0": ("int4", 5.0), "Q4_1": ("int4", 5.0), "Q4_K": ("int4", 6.0),
+    "Q4_0": ("int4", 5.0), "Q4_1": ("int4", 5.0), "Q4_K": ("int4", 4.625),
     "Q5_0": ("int8", 8.5), "Q5_1": ("int8", 10.0), "Q5_K": ("int8", 10.0),
     "Q6_K": ("int8", 8.625), "Q8_0": ("int8", 8.5),
 }
@@ -48,7 +48,7 @@ def resident_bytes(type_name: str, numel: int, mode: str = "auto") -> int:
     if mode == "none":
         bits = 32.0
     elif mode == "int4":
-        bits = FORMS[type_name][1] if type_name in ("Q4_0", "Q4_1") else INT4_BITS
+        bits = FORMS[type_name][1] if FORMS.get(type_name, ("",))[0] == "int4" else INT4_BITS
     elif type_name in FORMS:
         bits = Q4_AS_INT8_BITS if FORMS[type_name][0] == "int4" else FORMS[type_name][1]
     else:

@@ -2,8 +2,9 @@
 4 bits, as the operand of each route (routes.py picks the route):
 
 - ours (kernels/cpu/quant.cpp; on CUDA packed.GPUBlockWeight, same blocks): nibbles in blocks of 32
-  with a scale and a minimum per block, `w = q * d + m` (`q4_from_blocks` -> `Q4Weight`): Q4_0, Q4_1
-  and Q4_K's sub-blocks exactly;
+  with a scale and a minimum per block, `w = q * d + m` (`q4_from_blocks` -> `Q4Weight`; Q4_0 and Q4_1
+  keep the file's float16 d and m: `Q4HalfWeight`), and Q4_K with its own 6-bit sub-block scales and
+  float16 super-block ones (`q4k_parts` -> `Q4KWeight`), all exactly;
 - torch's (`aten._weight_int4pack_mm_for_cpu`, the CPU fallback): int4 groups of 32 with a scale and a
   zero, `w = (q - 8) * scale + zero` (`int4_from_blocks` -> `Int4Weight`): the same types exactly, only
   the scales round to bf16.
@@ -18,7 +19,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.weights.blocks import GROUP, GGUFBlocks, block_view, exact_scales, f16_field, ggml_nibbles, k_scale_min
+from engine.weights.blocks import (
+    GROUP,
+    SUPER,
+    GGUFBlocks,
+    block_view,
+    exact_scales,
+    f16_field,
+    ggml_nibbles,
+    k_scale_min,
+)
 from engine.weights.packed import COMPUTE_DTYPE, ROW_GROUP, BlockWeight, PackedWeight
 from kernels.cpu import ops as cpu_ops
 
@@ -110,6 +120,58 @@ class Q4Weight(BlockWeight):
 
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+
+class Q4KWeight(BlockWeight):
+    """GGUF's Q4_K as the file holds it (quant.cpp's q4k): q4's nibbles, each block of 32's 6-bit scale and
+    min (uint8), each super-block of 256's float16 d and dmin: w = (d * sc) * q - dmin * mn, the values
+    Q4Weight holds as float32 products, in 4.6 bits a weight (the file's 4.5) rather than 6."""
+
+    mode = "int4"
+    names = ("qs", "d", "sc")
+
+    def __init__(self, qs: Tensor, dd: Tensor, sc: Tensor) -> None:
+        """qs: GGML-order nibbles [out, in/2]; dd: float16 (d, dmin) [out, in/256, 2]; sc: uint8 (sc, mn)
+        [out, in/32, 2]."""
+        self.shape = (qs.shape[0], qs.shape[1] * 2)
+        self.qs, self.d, self.sc = cpu_ops.pack_q4(qs), *(cpu_ops.pack_sub_scales(t.flatten(1)) for t in (dd, sc))
+
+    @classmethod
+    def allocate(cls, out_f: int, in_f: int) -> Q4KWeight:
+        groups = -(-out_f // ROW_GROUP)
+        return cls.from_tensors((out_f, in_f), {  # the shapes pack_q4 and pack_sub_scales give
+            "qs": cls.advise_huge_pages(torch.empty(out_f, in_f // 2, dtype=torch.uint8)),
+            "d": torch.empty(groups, in_f // SUPER, 2, ROW_GROUP, dtype=torch.float16),
+            "sc": torch.empty(groups, in_f // GROUP, 2, ROW_GROUP, dtype=torch.uint8)})
+
+    def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
+        if not isinstance(source, GGUFBlocks) or source.type_name != "Q4_K":
+            raise ValueError(f"a Q4_K weight packs Q4_K blocks, not {getattr(source, 'type_name', 'floats')}")
+        qs, dd, sc = q4k_parts(source)
+        g0, groups = r0 // ROW_GROUP, -(-qs.shape[0] // ROW_GROUP)
+        self.qs[r0 : r0 + qs.shape[0]] = cpu_ops.pack_q4(qs)
+        self.d[g0 : g0 + groups] = cpu_ops.pack_sub_scales(dd.flatten(1))
+        self.sc[g0 : g0 + groups] = cpu_ops.pack_sub_scales(sc.flatten(1))
+
+    def _matmul(self, x: Tensor) -> Tensor:
+        return cpu_ops.q4k_linear(x, self.qs, self.d, self.sc)
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        return cpu_ops.q4k_rows(self.qs, self.d, self.sc, ids).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + self.sc.nbytes
+
+
+def q4k_parts(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_K blocks -> (GGML-order nibbles uint8 [out, in/2], float16 (d, dmin) [out, in/256, 2], uint8
+    (sc, mn) [out, in/32, 2]), Q4KWeight's operands, as the file has them."""
+    out_f, in_f = blocks.shape
+    data = block_view(blocks, 144)
+    q, _, _ = _q4_k(data, out_f, in_f)
+    sc, mn = k_scale_min(data)  # float32 [out, supers, 8]: 0..63
+    dd = data[..., 0:4].contiguous().view(torch.float16)  # [out, supers, 2]: d, dmin
+    return nibbles(q), dd, torch.stack((sc, mn), dim=-1).to(torch.uint8).reshape(out_f, -1, 2)
 
 
 class Q4HalfWeight(Q4Weight):

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from engine.weights.blocks import GGUFBlocks
 from engine.weights.packed import ROW_GROUP, BlockWeight
-from engine.weights.q4 import Q4HalfWeight, Q4Weight
+from engine.weights.q4 import Q4HalfWeight, Q4KWeight, Q4Weight
 from engine.weights.q8 import Q8HalfWeight, Q8Weight
 
 CHUNK_ROWS = 1024  # rows converted at a time (a multiple of ROW_GROUP): temporaries of a few MiB
@@ -31,8 +31,8 @@ FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 # (mode, source type) -> the class packed into by row ranges, on our CPU kernels' route
 STREAMED: dict[tuple[str, str], type[BlockWeight]] = {
-    # the file's float16 scales kept as they are; Q4_K's products and quantized floats' need float32
-    ("int4", "Q4_0"): Q4HalfWeight, ("int4", "Q4_1"): Q4HalfWeight, ("int4", "Q4_K"): Q4Weight,
+    # the file's scales kept as they are (float16; Q4_K's 6-bit ones too); quantized floats' are float32
+    ("int4", "Q4_0"): Q4HalfWeight, ("int4", "Q4_1"): Q4HalfWeight, ("int4", "Q4_K"): Q4KWeight,
     ("int4", DENSE): Q4Weight, ("int8", "Q8_0"): Q8HalfWeight, ("int8", DENSE): Q8Weight,
 }
 

@@ -33,9 +33,12 @@ def _weights(n: int, k: int, gen: torch.Generator) -> dict[str, tuple[Callable, 
             "q6 (Q6_K)": (ops.q6_linear, q6),
             "q6+m (K-quant mix)": (ops.q6_linear, (*q6, m)),
             "q4 f16 (Q4_0, Q4_1)": (ops.q4_linear, (ops.pack_q4(nibbles), d.half(), m.half())),
-            "q4 f32 (Q4_K)": (ops.q4_linear, (ops.pack_q4(nibbles), d, m))}
+            "q4 f32 (floats)": (ops.q4_linear, (ops.pack_q4(nibbles), d, m)),
+            "q4k (Q4_K)": (ops.q4k_linear, (ops.pack_q4(nibbles),
+                                            ops.pack_sub_scales(torch.rand(n, max(k // 128, 2), generator=gen).half()),
+                                            ops.pack_sub_scales(ints(0, 64, (n, k // 16)).to(torch.uint8))))}
     # K-quant super-blocks span 256 weights: no such file has rows of other widths (SmolLM2's 576)
-    return {name: f for name, f in formats.items() if k % 256 == 0 or not name.startswith("q6")}
+    return {name: f for name, f in formats.items() if k % 256 == 0 or not name.startswith(("q6", "q4k"))}
 
 
 def _median_s(fn: Callable, args: tuple[torch.Tensor, ...], x: torch.Tensor, reps: int) -> float:

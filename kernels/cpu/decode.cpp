@@ -23,15 +23,16 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-// x @ W.T for a packed weight given as (qs, d, m, sc) (BlockWeight.decode_operands): uint8 qs is q4;
-// int8 qs is q6 where sc is not empty, else q8 with m empty, q8m with offsets m
+// x @ W.T for a packed weight given as (qs, d, m, sc) (BlockWeight.decode_operands): uint8 qs is q4, or
+// q4k where sc is not empty; int8 qs is q6 where sc is not empty, else q8 with m empty, q8m with offsets m
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                   const at::Tensor& sc) {
   static const auto q4 = op<Linear4>("rosechat_quant::q4_linear");
   static const auto q8 = op<Linear3>("rosechat_quant::q8_linear");
   static const auto q8m = op<Linear4>("rosechat_quant::q8m_linear");
   static const auto q6 = op<Linear5>("rosechat_quant::q6_linear");
-  if (qs.scalar_type() == at::kByte) return q4.call(x, qs, d, m);
+  static const auto q4k = op<Linear4>("rosechat_quant::q4k_linear");
+  if (qs.scalar_type() == at::kByte) return sc.numel() ? q4k.call(x, qs, d, sc) : q4.call(x, qs, d, m);
   if (sc.numel()) return q6.call(x, qs, d, sc, m);
   return m.numel() == 0 ? q8.call(x, qs, d) : q8m.call(x, qs, d, m);
 }

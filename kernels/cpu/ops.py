@@ -216,8 +216,9 @@ _EMPTY = torch.empty(0)  # "no offsets" for q6
 
 
 def pack_sub_scales(sc: Tensor) -> Tensor:
-    """Scales of half blocks (16 weights) int8 [N, K/16] -> q6_linear's groups of 8 rows, int8
-    [ceil(N/8), K/32, 2, 8] (zeros pad the last group): a block's first halves, then its second ones."""
+    """Scales in pairs [N, 2P] (q6: a block's two half-block scales, int8; q4k: a block's scale and min,
+    uint8, or a super-block's d and dmin, float16) -> the kernels' groups of 8 rows, [ceil(N/8), P, 2, 8]
+    (zeros pad the last group): each pair's first members for the 8 rows, then its second."""
     n, halves = sc.shape
     groups = sc.new_zeros((n + 7) // 8 * 8, halves)
     groups[:n] = sc
@@ -228,6 +229,13 @@ def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
     """x [M, K] float32 @ (qs * d + m, per block of 32).T -> [M, N] float32; qs: pack_q4's layout
     [N, ceil(K/64) * 32] uint8, d and m: pack_scales' layout, both float32 or both float16."""
     return torch.ops.rosechat_quant.q4_linear(x, qs, d, m)
+
+
+def q4k_linear(x: Tensor, qs: Tensor, dd: Tensor, sc: Tensor) -> Tensor:
+    """x [M, K] float32 @ ((d * sc) * q - dmin * mn, per block of 32).T -> [M, N] float32 (GGUF's Q4_K as the
+    file holds it); qs: pack_q4's layout, dd: each super-block's float16 (d, dmin) and sc: each block's uint8
+    (sc, mn), both pack_sub_scales' layout of the pairs."""
+    return torch.ops.rosechat_quant.q4k_linear(x, qs, dd, sc)
 
 
 def q8_linear(x: Tensor, qs: Tensor, d: Tensor) -> Tensor:
@@ -262,6 +270,11 @@ def q6_rows(qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None, ids: Tensor) ->
 def q4_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
     """Rows ids (int64, any shape) of a q4_linear weight as float32 [*ids.shape, K]."""
     return torch.ops.rosechat_quant.q4_rows(qs, d, m, ids)
+
+
+def q4k_rows(qs: Tensor, dd: Tensor, sc: Tensor, ids: Tensor) -> Tensor:
+    """Rows ids (int64, any shape) of a q4k_linear weight as float32 [*ids.shape, K]."""
+    return torch.ops.rosechat_quant.q4k_rows(qs, dd, sc, ids)
 
 
 def q8_rows(qs: Tensor, d: Tensor, ids: Tensor) -> Tensor:

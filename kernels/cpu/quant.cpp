@@ -6,6 +6,7 @@
 //       so one 16-bit lane holds element j of both halves of both blocks: shifts and masks widen
 //       them, no byte shuffles (cpu_ops.pack_q4 interleaves GGML bytes so; a lone last block is
 //       paired with zeros)
+//   q4k: q4's nibbles with Q4_K's own scales: 6-bit sc and mn per 32, float16 d and dmin per 256 (Q4K below).
 //   q8: w = q * d,      q in -127..127 (GGUF Q8_0 and Q5_0 exactly; float weights quantized per 32).
 //       A block's byte 2j is element j, byte 2j + 1 element j + 16 (cpu_ops.pack_q8): shifts widen them.
 //       quant_k.cpp's q8m (Q5_1, Q5_K) and q6 (Q6_K) keep this layout with other scales.
@@ -52,6 +53,8 @@ struct Q4 : Rows {
   }
   template <int R>
   __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return block_lanes<R>(d, nb, o, b, w_index); }
+  template <int R>
+  __m256 offset(int64_t o, int64_t b, __m256i w_index) const { return block_lanes<R>(m, nb, o, b, w_index); }
   static constexpr bool kOffset = true;
   static constexpr int kParts = 1;
   static constexpr int kBlocksPerUnit = 2;
@@ -70,6 +73,54 @@ Q4<S> q4_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) 
                scales<S>(m, n, nb, "q4 offsets"), nb};
 }
 
+// q4k: GGUF's Q4_K as the file holds it. q4's nibbles; per block of 32 its 6-bit scale and min (sc uint8
+// [ceil(N/8), K/32, 2, 8]: a group's 8 scales, then its 8 mins); per super-block of 256 the file's float16
+// d and dmin (dd [ceil(N/8), K/256, 2, 8]). w = (d * sc) * q - dmin * mn: both products exact in float32
+// (11 x 6 significant bits), so a block gets the very scale and offset a float32 q4 weight would hold,
+// in 4.6 bits a weight (the file's 4.5), not 6.
+struct Q4K : Rows {
+  const uint16_t* dd;
+  const uint8_t* sc;
+  int64_t nb;
+  static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
+    Q4<float>::widen(row, stride, b, lo, hi);
+  }
+  // the 8 rows of group g: d * sc (which = 0) or dmin * mn (1) of block b
+  __m256 product(int64_t g, int64_t b, int which) const {
+    const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + ((g * nb + b) * 2 + which) * kLanes));
+    return _mm256_mul_ps(load8(dd + ((g * (nb / 8) + b / 8) * 2 + which) * kLanes),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s8)));
+  }
+  template <int R>
+  static __m256 rows_of(__m256 v, __m256i w_index) {  // lanes of rows o..o+R (R = 1: o's own in every lane)
+    if constexpr (R == kLanes) return v;
+    else return _mm256_permutevar8x32_ps(v, w_index);
+  }
+  template <int R>
+  __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return rows_of<R>(product(o / kLanes, b, 0), w_index); }
+  template <int R>
+  __m256 offset(int64_t o, int64_t b, __m256i w_index) const {  // -(dmin * mn): a sign flip, exact
+    return rows_of<R>(_mm256_xor_ps(product(o / kLanes, b, 1), _mm256_set1_ps(-0.0f)), w_index);
+  }
+  static constexpr bool kOffset = true;
+  static constexpr int kParts = 1;
+  static constexpr int kBlocksPerUnit = 2;
+};
+
+Q4K q4k_weight(const at::Tensor& qs, const at::Tensor& dd, const at::Tensor& sc) {
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % 128 == 0,
+              "q4k weight: contiguous uint8 [N, K/2] (cpu_ops.pack_q4), K a multiple of 256");
+  const int64_t n = qs.size(0), nb = qs.size(1) / 16, groups = (n + 7) / 8;
+  TORCH_CHECK(dd.scalar_type() == at::kHalf && dd.is_contiguous() && dd.dim() == 4 && dd.size(0) == groups &&
+                  dd.size(1) == nb / 8 && dd.size(2) == 2 && dd.size(3) == kLanes,
+              "q4k super-block scales: contiguous float16 [ceil(N/8), K/256, 2, 8] (cpu_ops.pack_sub_scales)");
+  TORCH_CHECK(sc.scalar_type() == at::kByte && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == groups &&
+                  sc.size(1) == nb && sc.size(2) == 2 && sc.size(3) == kLanes,
+              "q4k block scales and mins: contiguous uint8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales)");
+  return Q4K{Rows{qs.data_ptr<uint8_t>(), n, qs.size(1)}, static_cast<const uint16_t*>(dd.data_ptr()),
+             sc.data_ptr<uint8_t>(), nb};
+}
+
 // x [M, K] float32 @ the q4 weight (q4_weight) -> [M, N] float32
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   return with_scales(d, [&](auto s) {
@@ -86,6 +137,12 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
     check_x(x, w.nb * kBlock);
     return blocked_linear(x, w);
   });
+}
+
+at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dd, const at::Tensor& sc) {
+  const Q4K w = q4k_weight(qs, dd, sc);
+  check_x(x, w.nb * kBlock);
+  return blocked_linear(x, w);
 }
 
 // Rows ids as float32 (an embedding lookup), as engine/weights/packed.block_rows rounds them
@@ -124,6 +181,27 @@ at::Tensor q8_rows_of(const Q8<S>& w, const at::Tensor& ids) {
   });
 }
 
+at::Tensor q4k_rows(const at::Tensor& qs, const at::Tensor& dd, const at::Tensor& sc, const at::Tensor& ids) {
+  const Q4K w = q4k_weight(qs, dd, sc);
+  const int64_t nb = w.nb;
+  return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
+    const uint8_t* row = w.row(r);
+    const int64_t stride = w.stride(r), g = r / kLanes, lane = r % kLanes;
+    for (int64_t b = 0; b < nb; ++b, out += kBlock) {
+      const uint8_t* pair = row + b / 2 * stride;
+      const uint16_t* super = w.dd + (g * (nb / 8) + b / 8) * 2 * kLanes + lane;
+      const uint8_t* sub = w.sc + (g * nb + b) * 2 * kLanes + lane;
+      const float db = to_float(super[0]) * static_cast<float>(sub[0]);
+      const float mb = -(to_float(super[kLanes]) * static_cast<float>(sub[kLanes]));
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t v = pair[2 * j + b % 2];
+        out[j] = static_cast<float>(v & 0x0F) * db + mb;
+        out[j + 16] = static_cast<float>(v >> 4) * db + mb;
+      }
+    }
+  });
+}
+
 at::Tensor q4_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {
   return with_scales(d, [&](auto s) { return q4_rows_of(q4_weight<decltype(s)>(qs, d, m), ids); });
 }
@@ -139,4 +217,6 @@ TORCH_LIBRARY(rosechat_quant, lib) {
   lib.def("q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor", &q8_linear);
   lib.def("q4_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor", &q4_rows);
   lib.def("q8_rows(Tensor qs, Tensor d, Tensor ids) -> Tensor", &q8_rows);
+  lib.def("q4k_linear(Tensor x, Tensor qs, Tensor dd, Tensor sc) -> Tensor", &q4k_linear);
+  lib.def("q4k_rows(Tensor qs, Tensor dd, Tensor sc, Tensor ids) -> Tensor", &q4k_rows);
 }

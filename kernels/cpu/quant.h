@@ -240,7 +240,7 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, flo
       acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total.v[p]), _mm256_mul_ps(w.template scale<R>(o, b, p, w_index), x_scale),
                             acc);
     if constexpr (W::kOffset)  // the block's m * sum(x)
-      offsets = _mm256_fmadd_ps(block_lanes<R>(w.m, nb, o, b, w_index), lanes<T>(xs + b * xq.stride, x_index), offsets);
+      offsets = _mm256_fmadd_ps(w.template offset<R>(o, b, w_index), lanes<T>(xs + b * xq.stride, x_index), offsets);
   }
   float out[kLanes];
   _mm256_storeu_ps(out, _mm256_add_ps(acc, offsets));
@@ -301,7 +301,7 @@ inline void check_x(const at::Tensor& x, int64_t k) {
 // element j + 16 (cpu_ops.pack_q8), so shifts widen a block to its two int16 halves. Block scales d
 // in groups of 8 rows, [ceil(N/8), K/32, 8] (cpu_ops.pack_scales). A format's members the tile reads:
 // widen, scale<R>(o, b, part, w_index) (the lanes of rows o..o+R), kParts (1: one scale a block; 2: one
-// a half), kOffset (an offset m a block, as pack_scales lays it out), kBlocksPerUnit.
+// a half), kOffset (with offset<R>(o, b, w_index): an offset a block, times the block's sum of x), kBlocksPerUnit.
 template <typename S = float>
 struct Q8 : Rows {
   const S* d;

@@ -22,6 +22,8 @@ using namespace rosechat::quant;
 
 struct Q8M : Q8<> {
   const float* m;
+  template <int R>
+  __m256 offset(int64_t o, int64_t b, __m256i w_index) const { return block_lanes<R>(m, nb, o, b, w_index); }
   static constexpr bool kOffset = true;
 };
 
@@ -43,6 +45,8 @@ struct Q6 : Q8<> {
 
 struct Q6M : Q6 {
   const float* m;
+  template <int R>
+  __m256 offset(int64_t o, int64_t b, __m256i w_index) const { return block_lanes<R>(m, nb, o, b, w_index); }
   static constexpr bool kOffset = true;
 };
 

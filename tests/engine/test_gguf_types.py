@@ -18,7 +18,7 @@ from engine.weights import formats, routes
 from engine.weights.blocks import BlockShards, GGUFBlocks
 from engine.weights.loader import load_model
 from engine.weights.packing import PackedEmbedding, PackedLinear, auto_mode
-from engine.weights.q4 import Q4Weight
+from engine.weights.q4 import Q4KWeight, Q4Weight
 from engine.weights.q5 import Q8MWeight
 from engine.weights.q6 import Q6Weight
 from engine.weights.q8 import Q8Weight
@@ -30,7 +30,7 @@ from tests.helpers import PagedHarness
 pytestmark = pytest.mark.skipif(not cpu_ops.supported_cpu(), reason="our kernels need an x86 CPU with AVX2")
 PROMPT = "the cat sat on the mat with his friend"
 # type -> the operand it packs into under "auto", and its bits a weight (formats.FORMS)
-FORMS = {"Q4_0": Q4Weight, "Q4_1": Q4Weight, "Q4_K": Q4Weight, "Q5_0": Q8Weight, "Q5_1": Q8MWeight,
+FORMS = {"Q4_0": Q4Weight, "Q4_1": Q4Weight, "Q4_K": Q4KWeight, "Q5_0": Q8Weight, "Q5_1": Q8MWeight,
          "Q5_K": Q8MWeight, "Q6_K": Q6Weight, "Q8_0": Q8Weight}
 
 

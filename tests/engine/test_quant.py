@@ -22,7 +22,7 @@ from engine.weights.checkpoint import WeightLoadError
 from engine.weights.gguf import drop_mapped_pages
 from engine.weights.loader import load_model
 from engine.weights.packing import PackedEmbedding, PackedLinear, packed_bytes
-from engine.weights.q4 import Int4Weight, Q4Weight, int4_from_blocks, quantize_int4
+from engine.weights.q4 import Int4Weight, Q4KWeight, Q4Weight, int4_from_blocks, quantize_int4
 from engine.weights.q8 import Q8Weight, int8_from_blocks, quantize_int8
 from engine.weights.routes import pack
 from kernels.cpu import ops as cpu_ops
@@ -119,7 +119,7 @@ needs_cpu_quant = pytest.mark.skipif(not cpu_ops.supported_cpu(), reason="the ke
 def test_q4_and_q8_blocks_are_kept_exactly(weight: np.ndarray, type_name: str) -> None:
     blocks = _blocks(weight[:, :512] if "K" in type_name else weight, type_name)
     packed = pack(blocks, "int8" if type_name == "Q8_0" else "int4")
-    assert isinstance(packed, Q8Weight if type_name == "Q8_0" else Q4Weight)
+    assert isinstance(packed, {"Q8_0": Q8Weight, "Q4_K": Q4KWeight}.get(type_name, Q4Weight))
     assert torch.equal(packed.dequantize(), blocks.dequantize())  # gguf's dequantizer, bit for bit
     x = torch.randn(3, blocks.shape[1])
     want = x.double() @ blocks.dequantize().double().t()
@@ -186,7 +186,7 @@ def _check_packed_against_dense(gguf_dir: Path, case, route: str) -> None:
     packed = load_model(str(path), quantization=mode)
     assert routes.route() == route
     linears = [m for m in packed.model.modules() if isinstance(m, PackedLinear)]
-    kinds = {"rosechat": {"Q4Weight", "Q4HalfWeight", "Q8Weight", "Q8HalfWeight", "Q8MWeight", "Q6Weight"},
+    kinds = {"rosechat": {"Q4Weight", "Q4HalfWeight", "Q4KWeight", "Q8Weight", "Q8HalfWeight", "Q8MWeight", "Q6Weight"},
              "torch": {"Int4Weight", "Int8Weight"}, "triton": {"GPUBlockWeight"}}
     assert {type(m.weight).__name__ for m in linears} <= kinds[route]
     assert len(linears) == 4 * 2 + (0 if tied else 1)  # qkv, o, gate_up, down per layer (+ head)

@@ -1,6 +1,8 @@
-"""kernels/cpu/quant_k.cpp against a float64 reference: q8m (int8 with a scale and an offset per block
-of 32: GGUF's Q5_1 / Q5_K) and q6 (int8 with an int8 scale per 16 times a scale per 256, optional
-offsets: Q6_K, and Q4_K / Q5_K rows beside it), every tile shape, batch invariance, row lookups."""
+"""The K-quant formats against a float64 reference: q8m (int8 with a scale and an offset per block of 32:
+GGUF's Q5_1 / Q5_K), q6 (int8 with an int8 scale per 16 times a scale per 256, optional offsets: Q6_K,
+and Q4_K / Q5_K rows beside it) in kernels/cpu/quant_k.cpp, and q4k (nibbles with Q4_K's own 6-bit
+scales and mins and float16 super-block scales) in quant.cpp: every tile shape, batch invariance, row
+lookups."""
 
 from __future__ import annotations
 
@@ -46,7 +48,22 @@ def _q6(n: int, k: int, gen: torch.Generator, offsets: bool = False):
     return packed, w, rows, cpu_ops.q6_linear, cpu_ops.q6_rows
 
 
-FORMATS = {"q8m": _q8m, "q6": _q6, "q6+m": lambda n, k, gen: _q6(n, k, gen, offsets=True)}
+def _q4k(n: int, k: int, gen: torch.Generator):
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    dd = (torch.rand(n, k // 256, 2, generator=gen) * 1e-2).half()  # d, dmin as the file has them
+    sc = torch.randint(0, 64, (n, k // 32, 2), dtype=torch.uint8, generator=gen)  # 6-bit scale, min
+    sc[0, 0] = 63  # the extremes
+    d, dmin = (dd[..., i].float().repeat_interleave(8, dim=1) for i in (0, 1))
+    scale, minimum = d * sc[..., 0].float(), -dmin * sc[..., 1].float()  # exact in fp32
+    rows = (q.view(n, -1, 32).float() * scale[..., None] + minimum[..., None]).view(n, k)  # a product, a sum
+    w = (q.view(n, -1, 32).double() * scale.double()[..., None] + minimum.double()[..., None]).view(n, k)
+    g = q.view(n, k // 32, 2, 16)
+    nibbles = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)  # GGML order
+    packed = (cpu_ops.pack_q4(nibbles), cpu_ops.pack_sub_scales(dd.flatten(1)), cpu_ops.pack_sub_scales(sc.flatten(1)))
+    return packed, w, rows, cpu_ops.q4k_linear, cpu_ops.q4k_rows
+
+
+FORMATS = {"q8m": _q8m, "q6": _q6, "q6+m": lambda n, k, gen: _q6(n, k, gen, offsets=True), "q4k": _q4k}
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -103,6 +120,13 @@ def test_bad_inputs_are_refused_clearly() -> None:
         cpu_ops.q6_linear(torch.randn(2, 256), qs, cpu_ops.pack_scales(torch.ones(8, 8)), sc)
     with pytest.raises(RuntimeError, match="q6 offsets"):
         cpu_ops.q6_linear(torch.randn(2, 256), qs, d, sc, torch.zeros(1, 1, 8))
+    (qs, dd, sc), *_ = _q4k(8, 256, gen)
+    with pytest.raises(RuntimeError, match="q4k super-block scales: contiguous float16"):
+        cpu_ops.q4k_linear(torch.randn(2, 256), qs, dd.float(), sc)
+    with pytest.raises(RuntimeError, match="q4k block scales and mins"):
+        cpu_ops.q4k_linear(torch.randn(2, 256), qs, dd, sc[:, :4].contiguous())
+    with pytest.raises(RuntimeError, match="K a multiple of 256"):
+        cpu_ops.q4k_linear(torch.randn(2, 128), qs[:, :64].contiguous(), dd, sc)
     (qs, d, m), *_ = _q8m(8, 64, gen)
     with pytest.raises(RuntimeError, match="q8m offsets"):
         cpu_ops.q8m_linear(torch.randn(2, 64), qs, d, m[:, :1].contiguous())
