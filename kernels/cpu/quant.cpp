@@ -85,23 +85,28 @@ struct Q4K : Rows {
   static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
     Q4<float>::widen(row, stride, b, lo, hi);
   }
-  // the 8 rows of group g: d * sc (which = 0) or dmin * mn (1) of block b
-  __m256 product(int64_t g, int64_t b, int which) const {
-    const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + ((g * nb + b) * 2 + which) * kLanes));
-    return _mm256_mul_ps(load8(dd + ((g * (nb / 8) + b / 8) * 2 + which) * kLanes),
-                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s8)));
+  // d * sc (which = 0) or -(dmin * mn) (1) of block b for rows o..o+R in the tile's lanes: R = 1 (a
+  // prefill's tiles) forms its one row's product; others the group's 8, then picks (the same floats)
+  template <int R>
+  __m256 product(int64_t o, int64_t b, int which, __m256i w_index) const {
+    const int64_t g = o / kLanes;
+    const uint16_t* super = dd + ((g * (nb / 8) + b / 8) * 2 + which) * kLanes;
+    const uint8_t* sub = sc + ((g * nb + b) * 2 + which) * kLanes;
+    if constexpr (R == 1) {
+      const float v = to_float(super[o % kLanes]) * static_cast<float>(sub[o % kLanes]);
+      return _mm256_set1_ps(which ? -v : v);
+    } else {
+      const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub));
+      __m256 v = _mm256_mul_ps(load8(super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s8)));
+      if (which) v = _mm256_xor_ps(v, _mm256_set1_ps(-0.0f));  // a sign flip: exact
+      if constexpr (R == kLanes) return v;
+      else return _mm256_permutevar8x32_ps(v, w_index);
+    }
   }
   template <int R>
-  static __m256 rows_of(__m256 v, __m256i w_index) {  // lanes of rows o..o+R (R = 1: o's own in every lane)
-    if constexpr (R == kLanes) return v;
-    else return _mm256_permutevar8x32_ps(v, w_index);
-  }
+  __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return product<R>(o, b, 0, w_index); }
   template <int R>
-  __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return rows_of<R>(product(o / kLanes, b, 0), w_index); }
-  template <int R>
-  __m256 offset(int64_t o, int64_t b, __m256i w_index) const {  // -(dmin * mn): a sign flip, exact
-    return rows_of<R>(_mm256_xor_ps(product(o / kLanes, b, 1), _mm256_set1_ps(-0.0f)), w_index);
-  }
+  __m256 offset(int64_t o, int64_t b, __m256i w_index) const { return product<R>(o, b, 1, w_index); }
   static constexpr bool kOffset = true;
   static constexpr int kParts = 1;
   static constexpr int kBlocksPerUnit = 2;
