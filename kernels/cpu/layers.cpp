@@ -536,3 +536,13 @@ TORCH_LIBRARY(rosechat_layers, lib) {
   lib.def("sample_rows(Tensor logits, Tensor seen, Tensor seen_offsets, Tensor penalties, Tensor temperatures, "
           "Tensor top_ks, Tensor top_ps, Tensor min_ps, Tensor uniforms) -> Tensor", &sample_rows);
 }
+
+#ifdef ROSECHAT_KERNEL_KEY
+// A build made at install (setup.py) carries the source key it was built from (kernels/cpu/ops.py
+// source_key), which the loader reads from the file's bytes, without loading it, and compares with the
+// sources it has: a module of other sources (a kernel edited since the install) is never loaded.
+#define ROSECHAT_STR2(x) #x
+#define ROSECHAT_STR(x) ROSECHAT_STR2(x)
+extern "C" __attribute__((used, visibility("default")))
+const char rosechat_kernel_key[] = "rosechat-kernel-key:" ROSECHAT_STR(ROSECHAT_KERNEL_KEY);
+#endif

@@ -5,16 +5,19 @@ layers of a decode step (layers.cpp) and a whole Llama layer of a decode step (d
 float32 activations by weights kept in blocks of 32 (the layouts are described in quant.cpp), and
 `q8m_linear` / `q6_linear` by GGUF's 5- and 6-bit blocks (quant_k.cpp);
 the rest are float32 RMSNorm, RoPE, SiLU * up, the K/V write and one-query paged attention.
-Each ISA variant (kernels/cpu/isa.py) is built by `torch.utils.cpp_extension` when the project is set
-up (`python -m kernels.cpu.build`, run by `make setup`), into the environment; a variant not built then
-is built at first use, once. `available()` says whether the chosen variant loaded, and
-`unavailable_reason()` why not, so a caller can fall back to torch's own kernels.
+Each ISA variant (kernels/cpu/isa.py) is built when the package is installed (setup.py: torch's
+BuildExtension, one extension module per variant, beside this file), and loaded from there when it was
+built from these very sources, flags and torch (its embedded source key says so). A variant the install
+did not build, or built from other sources (a kernel edited since), is built at first use, once, by
+`torch.utils.cpp_extension` into a directory keyed by that source key. `available()` says whether the
+chosen variant loaded, and `unavailable_reason()` why not, so a caller can fall back to torch's own kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.machinery
 import logging
 import os
 import shutil
@@ -51,20 +54,56 @@ def supported_cpu() -> bool:
         return False
 
 
-def build_dir(isa: str) -> Path:
-    """Where the `isa` variant is built: keyed by a hash of the sources, the flags, the ISA, torch's and
-    Python's versions, so no checkout, torch or CPU ever loads another's build. In the environment
-    (built by `make setup`) where it is writable, else in the user cache."""
+def source_key(isa: str) -> str:
+    """A hash of the `isa` variant's sources, flags, ISA, torch's and Python's versions: a build is loaded
+    only by the sources, torch and CPU variant it was built from (setup.py embeds it in the module)."""
     key = hashlib.sha256()
     for f in _SOURCES + _HEADERS:
         key.update(f.read_bytes())
     key.update(" ".join([*_cflags(isa), isa, torch.__version__, sys.version]).encode())
+    return key.hexdigest()
+
+
+def build_dir(isa: str) -> Path:
+    """Where the `isa` variant is built at run time (the install did not build it, or built other
+    sources): keyed by source_key, so no checkout, torch or CPU ever loads another's build. In the
+    environment where it is writable, else in the user cache."""
     root = Path(sys.prefix) / "share" / "rosechat-kernels"
     if not os.access(root if root.exists() else root.parent, os.W_OK) and not (root / isa).exists():
         import platformdirs
 
         root = Path(platformdirs.user_cache_dir("rosechat")) / "kernels"
-    return root / f"{isa}-{key.hexdigest()[:16]}"
+    return root / f"{isa}-{source_key(isa)[:16]}"
+
+
+KEY_MARK = b"rosechat-kernel-key:"  # + the source key, in the module's bytes (layers.cpp, ROSECHAT_KERNEL_KEY)
+
+
+def installed_module(isa: str) -> Path | None:
+    """The `isa` variant's extension module built at install (setup.py), beside this file, if any."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = Path(__file__).with_name(f"rosechat_cpu_{isa}{suffix}")
+        if path.is_file():
+            return path
+    return None
+
+
+def built_key(path: Path) -> str | None:
+    """The source key a module was built from, read from its bytes, never by loading it: loading runs its
+    static initialisers (SIGILL on a CPU without its ISA) and registers its operators (a second set aborts)."""
+    data = path.read_bytes()
+    at = data.find(KEY_MARK)
+    return None if at < 0 else data[at + len(KEY_MARK) : at + len(KEY_MARK) + 64].decode("ascii", "replace")
+
+
+def install_problem(isa: str) -> str | None:
+    """None where the install built the `isa` variant from these sources, else what is wrong with it."""
+    path = installed_module(isa)
+    if path is None:
+        return "were not built at install"
+    if built_key(path) != source_key(isa):
+        return "built at install are stale (sources, flags or torch changed since)"
+    return None
 
 
 def _cflags(isa: str) -> list[str]:
@@ -75,7 +114,7 @@ def _cflags(isa: str) -> list[str]:
 
 @functools.cache
 def _build_once() -> str | None:
-    global _running
+    global _running, _loaded_from
     if _running is not None:  # a process holds one variant's operators: a second would abort on load
         return None
     try:
@@ -85,20 +124,24 @@ def _build_once() -> str | None:
     if choice.isa == "generic":
         return f"CPU kernels off: {choice.reason}"
     failed = []
-    for candidate in [choice, *cpu_isa.fallbacks(choice)]:
-        where = build_dir(candidate.isa)
-        done = where / "built"  # written after a build succeeded: a killed build leaves none
+    for candidate in [choice, *cpu_isa.fallbacks(choice)]:  # each one this CPU runs: never load another
         try:
-            if not done.exists():
-                _compile(candidate.isa, where, done)
-            torch.ops.load_library(str(where / f"rosechat_cpu_{candidate.isa}.so"))
+            if install_problem(candidate.isa) is None:
+                path = installed_module(candidate.isa)
+            else:  # the runtime build, as a fallback
+                where = build_dir(candidate.isa)
+                done = where / "built"  # written after a build succeeded: a killed build leaves none
+                if not done.exists():
+                    _compile(candidate.isa, where, done)
+                path = where / f"rosechat_cpu_{candidate.isa}.so"
+            torch.ops.load_library(str(path))
         except Exception as exc:  # no compiler, no headers, flags it lacks: the next variant, then torch
             text = str(exc).strip()
             failed.append(f"{candidate.isa}: {text.splitlines()[-1] if text else type(exc).__name__}")
             log.warning("could not build the %s CPU kernels (%s)", candidate.isa, failed[-1])
             continue
-        _running = candidate
-        log.info("CPU kernels: %s, from %s", candidate.reason, where)
+        _running, _loaded_from = candidate, path
+        log.info("CPU kernels: %s, from %s", candidate.reason, path)
         return None
     return f"could not build the CPU kernels ({'; '.join(failed)}): torch's own kernels run instead"
 
@@ -116,7 +159,7 @@ def _compile(isa: str, where: Path, done: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if done.exists():  # another process built it while this one waited
             return
-        log.warning("building the %s CPU kernels in %s (once; `make setup` builds them ahead)", isa, where)
+        log.warning("CPU kernels %s: building now (%s, once, in %s)", install_problem(isa), isa, where)
         (where / "lock").unlink(missing_ok=True)
         bin_dir = str(Path(sys.executable).parent)  # the ninja our dependencies install, venv not activated
         if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
@@ -134,7 +177,8 @@ def needs_build() -> bool:
         choice = cpu_isa.choose()
     except ValueError:
         return False
-    return choice.isa != "generic" and not (build_dir(choice.isa) / "built").exists()
+    return (choice.isa != "generic" and install_problem(choice.isa) is not None
+            and not (build_dir(choice.isa) / "built").exists())
 
 
 def build_status() -> str:
@@ -147,6 +191,12 @@ def build_status() -> str:
 
 _built = False  # once built, asked on every layer call: no lock
 _running: cpu_isa.IsaChoice | None = None  # the variant loaded
+_loaded_from: Path | None = None  # its library: the install's module or a runtime build
+
+
+def loaded_from() -> Path | None:
+    """The library the running variant was loaded from (None before it loaded, or where none did)."""
+    return _loaded_from if available() else None
 
 
 def available() -> bool:
