@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 $(KERNELS): $(STAMP) setup.py $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/ops.py kernels/cpu/isa.py kernels/cpu/build.py
 	@printf 'building CPU kernels (%s)… ' "$$($(PYTHON) -c "import runpy; print(', '.join(sorted(runpy.run_path('kernels/cpu/isa.py')['BUILT'])))")"; \
 	t0=$$(date +%s); $(INSTALL) --no-deps -e . && echo "$$(( $$(date +%s) - t0 )) s"
-	$(VENV)/bin/python -m kernels.cpu.build
+	$(VENV)/bin/python -m kernels.cpu.build --prune
 	@touch $@
 
 run: $(KERNELS)

@@ -8,8 +8,9 @@ that does not compile, or no compiler, still installs: the message says why, and
 at first use (ops.py), or runs the next variant or torch's own kernels.
 
 `python -m kernels.cpu.build` says what the install built and builds now, as the first launch would
-(into ops.build_dir), each variant the install did not build from these sources (`make setup` runs it
-after the install).
+(into ops.build_dir), each variant the install did not build from these sources; with --prune it also
+removes the environment's runtime builds of other sources (`make setup` runs it so after the install:
+not in an environment that several checkouts share, whose builds those are).
 """
 
 from __future__ import annotations
@@ -130,33 +131,36 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--isa"]:
         build_one(argv[1])
         return 0
-    failed, runs = 0, cpu_isa.runnable(cpu_isa.cpu_flags())
+    ready, runs = set(), cpu_isa.runnable(cpu_isa.cpu_flags())  # the variants that can load now
     compiler = cpp_extension.get_cxx_compiler()
     for isa in cpu_isa.BUILT:
         note = "" if isa in runs else " (this CPU does not run it)"
         problem, where = cpu_ops.install_problem(isa), cpu_ops.build_dir(isa)
         if problem is None:
+            ready.add(isa)
             print(f"CPU kernels ({isa}): built at install, {cpu_ops.installed_module(isa)}{note}")
             continue
         if (where / "built").exists():
+            ready.add(isa)
             print(f"CPU kernels ({isa}) {problem}: built at run time, in {where}{note}")
             continue
         if shutil.which(compiler) is None:
-            failed += 1
             print(f"CPU kernels ({isa}) {problem}, and there is no C++ compiler ({compiler})")
             continue
         print(f"CPU kernels ({isa}) {problem}: building now… ", end="", flush=True)
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "kernels.cpu.build", "--isa", isa], capture_output=True, text=True)
         if done.returncode != 0:  # the runtime takes the next variant the CPU runs, then torch's kernels
-            failed += 1
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
             print(f"failed: {lines[-1] if lines else f'exit {done.returncode}'}")
             continue
+        ready.add(isa)
         print(f"{time.perf_counter() - t0:.1f} s, in {where}{note}")
-    _prune([cpu_ops.build_dir(isa) for isa in cpu_isa.BUILT])
-    print(f"this CPU runs: {cpu_isa.choose(forced='').reason}" + (" (the next variant where a build failed)"
-                                                                   if failed else ""))
+    if "--prune" in argv:
+        _prune([cpu_ops.build_dir(isa) for isa in cpu_isa.BUILT])
+    choice = cpu_isa.choose(forced="")
+    loads = [c for c in [choice, *cpu_isa.fallbacks(choice)] if c.isa in ready or c.isa == "generic"]
+    print("this CPU runs: " + (loads[0].reason if loads else "torch's own kernels (ours did not build)"))
     return 0
 
 
