@@ -83,13 +83,9 @@ def _build_command() -> type:
 
 
 def setup_args() -> dict:
-    """setup()'s ext_modules and cmdclass: every variant, or none (saying why) where there is no compiler
-    or ROSECHAT_BUILD_KERNELS=0 (`make setup` installs the dependencies first, then builds the kernels)."""
+    """setup()'s ext_modules and cmdclass: every variant, or none (saying why) where there is no compiler."""
     from torch.utils import cpp_extension
 
-    if os.environ.get("ROSECHAT_BUILD_KERNELS") == "0":
-        _say("CPU kernels not built by this install (ROSECHAT_BUILD_KERNELS=0)")
-        return {}
     compiler = cpp_extension.get_cxx_compiler()
     if shutil.which(compiler) is None:
         _say(f"no C++ compiler ({compiler}): the CPU kernels are not built at install; the first use tries "
