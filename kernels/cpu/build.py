@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from kernels.cpu import isa as cpu_isa
@@ -31,6 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _say(line: str) -> None:
     print(f"rosechat: {line}", file=sys.stderr, flush=True)
+
+
+def _warn(line: str) -> None:
+    """Why a variant was not built: a warning, which pip shows even under -q (it hides the build's output)."""
+    warnings.warn(f"rosechat: {line}", stacklevel=2)
 
 
 def install_cflags(isa: str) -> list[str]:
@@ -67,7 +73,7 @@ def _build_command() -> type:
             try:  # BuildExtension first checks the compiler (runs it): a broken one fails every variant
                 super().build_extensions()
             except Exception as exc:  # noqa: BLE001
-                _say(f"could not build the CPU kernels ({_last_line(exc)}): {_FALLBACK}")
+                _warn(f"could not build the CPU kernels ({_last_line(exc)}): {_FALLBACK}")
 
         def build_extension(self, ext) -> None:
             isa, t0 = ext.name.rsplit("_", 1)[1], time.perf_counter()
@@ -75,7 +81,7 @@ def _build_command() -> type:
             try:
                 super().build_extension(ext)
             except Exception as exc:  # noqa: BLE001 (ninja's RuntimeError, distutils' CompileError, ...)
-                _say(f"could not build the {isa} CPU kernels ({_last_line(exc)}): {_FALLBACK}")
+                _warn(f"could not build the {isa} CPU kernels ({_last_line(exc)}): {_FALLBACK}")
                 return
             _say(f"CPU kernels ({isa}) built in {time.perf_counter() - t0:.0f} s")
 
@@ -88,7 +94,7 @@ def setup_args() -> dict:
 
     compiler = cpp_extension.get_cxx_compiler()
     if shutil.which(compiler) is None:
-        _say(f"no C++ compiler ({compiler}): the CPU kernels are not built at install; the first use tries "
+        _warn(f"no C++ compiler ({compiler}): the CPU kernels are not built at install; the first use tries "
              "again, else torch's own kernels run")
         return {}
     bin_dir = str(Path(sys.executable).parent)  # ninja, installed beside this Python, venv not activated
