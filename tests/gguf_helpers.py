@@ -70,13 +70,15 @@ def write_gguf(
     sampling: dict[str, float] | None = None,
     seed: int = 0,
     tensor_qtypes: dict[str, str] | None = None,
+    general_name: str | None = None,
     **config_overrides: Any,
 ):
     """Write a random tiny `arch` model as GGUF at `path`; return the transformers model it came from.
 
     Matrices get `qtype` (`embed_qtype` for the token embedding; `tensor_qtypes` by GGUF tensor kind,
     as {"attn_v": "Q6_K"}: a Q4_K_M-like mix); norms and biases stay F32, as in llama.cpp's files.
-    `tie=True` writes no output.weight (the real SmolLM2 file has none)."""
+    `tie=True` writes no output.weight (the real SmolLM2 file has none). `general_name`:
+    general.name (tiny-ARCH by default)."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -96,7 +98,7 @@ def write_gguf(
     g_arch = GGUF_ARCH[arch]
     writer = gguf.GGUFWriter(path, g_arch)
     n_layers = config.num_hidden_layers
-    writer.add_name(f"tiny-{arch}")
+    writer.add_name(general_name or f"tiny-{arch}")
     writer.add_block_count(n_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from engine.weights import gguf_config
 from engine.weights.blocks import GGUFBlocks
-from engine.weights.gguf_header import HeaderError, TensorInfo, read_header
+from engine.weights.gguf_header import HeaderError, TensorInfo, read_array, read_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -156,10 +156,15 @@ class GGUFModel:
         return _reader_class()(self.path)
 
     def field(self, key: str, default: Any = None) -> Any:
+        """A metadata value: a scalar or string, or an array as a list (what gguf's contents() gives)."""
         if key in self.header.fields:
             return self.header.fields[key]
-        f = self.reader.fields.get(key) if key in self.header.arrays else None
-        return default if f is None else f.contents()
+        if (info := self.header.arrays.get(key)) is None:
+            return default
+        try:
+            return read_array(self.path, info)
+        except ValueError:  # an array of arrays: gguf's reader has them
+            return self.reader.fields[key].contents()
 
     # ------------------------------------------------------------------ config, tokenizer, settings
     def config_and_tokenizer(self, say: Callable[[str], None] = lambda _: None) -> tuple[Any, Any]:

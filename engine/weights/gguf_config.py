@@ -1,5 +1,6 @@
 """What a GGUF file says besides its tensors, as transformers reads it: the config (with the keys its GGUF
-mapping leaves out or misplaces, read from the file) and the tokenizer, converted once per file and kept in a
+mapping leaves out or misplaces, read from the file) and the tokenizer, converted once per file (gguf_meta.py
+computes what transformers' GGUF reading would, without its slow passes over the file) and kept in a
 cache folder. `model` is a gguf.GGUFModel (its path, arch and field())."""
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ def cache_root() -> Path | None:
 
 def load_config(model: Any, architecture: str) -> Any:
     """transformers' config for the file, plus the keys its GGUF mapping leaves out or misplaces."""
-    from transformers import AutoConfig
+    from engine.weights import gguf_meta
 
-    config = AutoConfig.from_pretrained(model.path.parent, gguf_file=model.path.name)
+    try:  # what AutoConfig makes of the file, from the quick header read
+        config = gguf_meta.config(model)
+    except gguf_meta.Unsupported:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model.path.parent, gguf_file=model.path.name)
     config.architectures = [architecture]
     # Keys transformers' mapping leaves out or misplaces: Qwen3's head_dim is not hidden/heads
     # (0.6B: 128 vs 64); GPT-2's context and MLP width.
@@ -76,17 +82,22 @@ def _gemma_config(model: Any, config: Any) -> None:
         config.rope_parameters = {"full_attention": full, "sliding_attention": local}
 
 
-def load_tokenizer(model: Any) -> Any:
-    from transformers import AutoTokenizer
+def load_tokenizer(model: Any, config: Any) -> Any:
+    """transformers' tokenizer for the file (`config`: load_config's)."""
+    from engine.weights import gguf_meta
 
-    return AutoTokenizer.from_pretrained(model.path.parent, gguf_file=model.path.name)
+    try:  # what AutoTokenizer makes of the file, without the config pass it makes to choose the class
+        return gguf_meta.tokenizer(model, config)
+    except gguf_meta.Unsupported:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model.path.parent, gguf_file=model.path.name)
 
 
 def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], None] = lambda _: None
                          ) -> tuple[Any, Any]:  # fmt: skip
-    """(config, tokenizer), converted by transformers once per file and then read back from a
-    cache folder: each conversion re-reads the whole file (about 8 s of the 15 s it takes to
-    load SmolLM2-135M, for its 49k-token vocabulary)."""
+    """(config, tokenizer), converted once per file (gguf_meta.py, else transformers' GGUF reading) and then
+    read back from a cache folder."""
     from transformers import PreTrainedTokenizerFast
 
     folder = _cache_folder(model.path)
@@ -100,7 +111,7 @@ def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], Non
             shutil.rmtree(folder, ignore_errors=True)
     say("converting the tokenizer")
     config = load_config(model, architecture)
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model, config)
     if folder is not None:
         tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
         try:

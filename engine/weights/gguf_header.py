@@ -1,7 +1,8 @@
 """A GGUF file's header read quickly: its scalar metadata and its tensors' names, types, shapes and
 offsets, without gguf.GGUFReader's per-string numpy slicing (seconds for a 49k-token vocabulary, half
-of a warm load). Array values (the vocabulary, merges) are skipped, only their keys kept; gguf.py
-opens the full reader when it needs one (a cold load, an array field).
+of a warm load). Array values (the vocabulary, merges) are skipped, only where they are kept:
+read_array reads one when it is wanted (a cold load's tokenizer, Gemma's layer pattern), numbers
+with one numpy call, strings in one pass over their bytes.
 
 The layout is GGUF v2/v3's (ggml's docs/gguf.md), little-endian: magic, version, tensor count, key
 count; keys (string, type, value); tensor infos (name, dims, type, offset); data, aligned to
@@ -17,6 +18,7 @@ from typing import Any
 
 # GGUF value types -> struct format (8: string, 9: array)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_U64 = struct.Struct("<Q")
 
 
 class HeaderError(ValueError):
@@ -36,11 +38,21 @@ class TensorInfo:
     n_bytes: int
 
 
+@dataclass(frozen=True)
+class ArrayInfo:
+    """Where an array value is in the file: its item type, length, and the offset of its first item."""
+
+    item_type: int
+    count: int
+    offset: int
+
+
 @dataclass
 class Header:
     fields: dict[str, Any] = field(default_factory=dict)  # scalars and strings
-    arrays: set[str] = field(default_factory=set)  # keys whose value is an array (not read)
+    arrays: dict[str, ArrayInfo] = field(default_factory=dict)  # keys whose value is an array (read_array)
     tensors: list[TensorInfo] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # every key, in the file's order
 
 
 class _Cursor:
@@ -70,6 +82,8 @@ class _Cursor:
             item, count = self.take("<I"), self.take("<Q")
             if item in _SCALARS:
                 self.pos += struct.calcsize(_SCALARS[item]) * count
+            elif item == 8:  # strings, each after its length: one tight loop (a vocabulary has 10^5)
+                self.pos = _skip_strings(self.data, self.pos, count)
             else:
                 for _ in range(count):
                     self.skip(item)
@@ -77,6 +91,44 @@ class _Cursor:
             self.pos += struct.calcsize(_SCALARS[kind])
         else:
             raise HeaderError(f"unknown GGUF value type {kind}")
+
+
+def _skip_strings(data: bytes, pos: int, count: int) -> int:
+    """The offset past `count` strings from `pos` (past the data's end where it ends early: checked after)."""
+    unpack, end = _U64.unpack_from, len(data) - 8
+    for _ in range(count):
+        if pos > end:
+            raise HeaderError("the header ends early", truncated=True)
+        pos += 8 + unpack(data, pos)[0]
+    return pos
+
+
+def read_array(path: Path, info: ArrayInfo) -> list[Any]:
+    """An array value as Python values, the items gguf's ReaderField.contents() gives: numbers as numpy's
+    tolist() makes them, strings decoded as UTF-8 (strictly). Arrays of arrays are not read (ValueError)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        if info.item_type in _SCALARS:
+            fmt = _SCALARS[info.item_type]
+            data = f.read(struct.calcsize(fmt) * info.count)
+            return np.frombuffer(data, dtype=np.dtype(fmt.replace("?", "b1")), count=info.count).tolist()
+        if info.item_type != 8:
+            raise ValueError(f"GGUF arrays of value type {info.item_type} are not read here")
+        out, data, pos, step = [], b"", 0, 1 << 20
+        unpack = _U64.unpack_from
+        for _ in range(info.count):
+            if pos + 8 > len(data):  # read on in steps: the array's size is only known by walking it
+                data, pos = data[pos:] + f.read(step), 0
+            n = unpack(data, pos)[0]
+            if pos + 8 + n > len(data):
+                data, pos = data[pos:] + f.read(max(step, n + 8)), 0
+                if 8 + n > len(data):
+                    raise HeaderError("an array ends past the file's end", truncated=True)
+            out.append(data[pos + 8 : pos + 8 + n].decode("utf-8"))
+            pos += 8 + n
+        return out
 
 
 def read_header(path: Path) -> Header:
@@ -99,11 +151,13 @@ def read_header(path: Path) -> Header:
                 header = Header()
                 for _ in range(n_keys):
                     key, kind = cur.string(), cur.take("<I")
+                    header.keys.append(key)
                     if kind == 8:
                         header.fields[key] = cur.string()
                     elif kind == 9:
-                        header.arrays.add(key)
+                        at = cur.pos
                         cur.skip(kind)
+                        header.arrays[key] = ArrayInfo(*struct.unpack_from("<IQ", cur.data, at), at + 12)
                     elif kind in _SCALARS:
                         header.fields[key] = cur.take(_SCALARS[kind])
                     else:
@@ -139,4 +193,4 @@ def read_header(path: Path) -> Header:
     return header
 
 
-__all__ = ["Header", "HeaderError", "TensorInfo", "read_header"]
+__all__ = ["ArrayInfo", "Header", "HeaderError", "TensorInfo", "read_array", "read_header"]
