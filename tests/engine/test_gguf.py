@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -240,6 +241,10 @@ def test_config_and_tokenizer_are_converted_once_then_cached(arch: str, gguf_dir
     messages = [{"role": "user", "content": "hello there"}]
     render = lambda t: t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # noqa: E731
     assert render(again.tokenizer) == render(first.tokenizer)
+    # added tokens listed in tokenizer_config.json (read back without parsing tokenizer.json in Python): the same
+    assert "added_tokens_decoder" in json.loads((folder / "tokenizer_config.json").read_text())
+    assert again.tokenizer.added_tokens_decoder == first.tokenizer.added_tokens_decoder
+    assert again.tokenizer.special_tokens_map == first.tokenizer.special_tokens_map
     text = render(first.tokenizer)
     assert again.tokenizer.encode(text, add_special_tokens=False) == tok.encode(text).ids
     assert again.eos_token_ids == first.eos_token_ids
