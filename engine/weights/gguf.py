@@ -1,10 +1,10 @@
 """GGUF files (llama.cpp, Ollama, LM Studio): one file with weights, config, tokenizer and template.
 
-Read with maintained code: the `gguf` package (llama.cpp's dequantizers, type sizes, name maps, and
-its reader for array metadata), `transformers`' GGUF integration (`gguf_file=`) for the config, the
-tokenizer and the chat template; the header (scalar metadata, tensor names, types and offsets) by
-gguf_header.py, which reads it in a fraction of gguf.GGUFReader's time, and the tensors from one
-np.memmap of the file. Quantized tensors are dequantized at load, or handed over as
+Read with maintained code: the `gguf` package (llama.cpp's dequantizers, type sizes, name maps),
+`transformers` for the config, the tokenizer and the chat template (what its GGUF integration makes of
+the file, computed by gguf_meta.py without its slow passes over the file); the header (metadata, tensor
+names, types and offsets) by gguf_header.py, which reads it in a fraction of gguf.GGUFReader's time, and
+the tensors from one np.memmap of the file. Quantized tensors are dequantized at load, or handed over as
 their raw blocks (blocks.GGUFBlocks) for a packed load (packing.py).
 """
 
@@ -104,7 +104,7 @@ class GGUFModel:
     """One GGUF file: its metadata at once, its tensors when asked."""
 
     def __init__(self, path: Path) -> None:
-        """Reads the header only (gguf_header.py): the tensors' data and array fields open gguf's reader."""
+        """Reads the header only (gguf_header.py): array fields are read when asked for (field())."""
         self.path = path
         if _SPLIT_NAME.search(path.name):
             raise GGUFError(f"{path.name} is one part of a split GGUF; split files are not supported: "
@@ -152,7 +152,7 @@ class GGUFModel:
 
     @functools.cached_property
     def reader(self) -> Any:
-        """gguf's own reader (gguf.GGUFReader), opened at first use: the tensors' data, array fields."""
+        """gguf's own reader (gguf.GGUFReader), opened at first use (an array of arrays; tests)."""
         return _reader_class()(self.path)
 
     def field(self, key: str, default: Any = None) -> Any:
