@@ -4,6 +4,9 @@
                    without reading weights
     gguf.py        a GGUF file through the `gguf` package: config, tokenizer, tensors (dense, or raw
                    blocks for a packed load)
+    gguf_header.py the file's header and metadata arrays, read quickly
+    gguf_meta.py   the config and tokenizer transformers makes of a GGUF file, without its slow passes
+    gguf_config.py the converted config and tokenizer, kept in a cache folder per file
     blocks.py      GGUFBlocks: a quantized matrix as its raw GGUF blocks (BlockShards: of mixed types);
                    GGML's byte layout
     formats.py     each GGUF type's packed form under "auto", whether it has a kernel, its memory
