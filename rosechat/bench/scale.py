@@ -116,7 +116,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"prefill: a {ok[0]['prompt_tokens']}-token prompt; decode: {ok[0]['new_tokens']} greedy tokens, "
                      "one stream (EOS ignored). peak RSS: VmHWM, the process's peak up to the end of the load; "
                      "RSS, RssAnon, RssFile: right after it (the process's whole footprint: runtime, imports and, "
-                     "for rosechat, its KV pool); +RSS: what the load added to the process after its imports. "
+                     "for rosechat, the KV pool's blocks written so far: the pool is mapped, not touched, at "
+                     "load); +RSS: what the load added to the process after its imports. "
                      f"Load average {report.get('load_before', '?')} before, {report.get('load_after', '?')} after.")
     lines += ["what ran:", *dict.fromkeys(f"  {r['system']}: {r['ran']}" for r in ok)]
     lines += [f"  {r['system']} {r['phase']} load, each stage's start (s): "
