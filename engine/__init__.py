@@ -29,6 +29,7 @@ from engine.sequence import SamplingParams, StructuredOutput
 from engine.spec_decode import SpeculativeConfig
 from engine.structured import GrammarError
 from engine.weights.gguf import GGUFError
+from engine.weights.gguf_header import vocab_size as gguf_vocab_size
 from engine.weights.loader import LoadedModel, load_model
 from engine.weights.memory import ModelTooLargeError, available_memory, check_source_fits
 from engine.weights.packing import matmul_weight_cost, packed_bytes
@@ -54,6 +55,7 @@ __all__ = [
     "LLMEngine",
     "LoadedModel",
     "GGUFError",
+    "gguf_vocab_size",
     "GrammarError",
     "ModelNotFoundError",
     "ModelSource",

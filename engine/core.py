@@ -362,6 +362,10 @@ class EngineCore:
         finally:
             self.block_manager.free(seq)
 
+    def spec_cost(self) -> str:
+        """What speculation's measured-cost rule stands on (StepCost.describe)."""
+        return self.scheduler.step_cost.describe()
+
     def tokens_per_s(self, window: float = 2.0) -> float:
         now = time.monotonic()
         while self._recent and now - self._recent[0][0] > window:

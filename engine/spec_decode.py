@@ -193,6 +193,15 @@ class StepCost:
             per_row = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)
             self.fit = max(my - per_row * mx, 1e-9), per_row
 
+    def describe(self) -> str:
+        """What the rule stands on: off, or its fit of a decode step's time by rows (for reports)."""
+        if not self.on:
+            return "off (ROSECHAT_SPEC_COST=off: the rate alone decides)"
+        if self.fit is None:
+            return "measured, not fitted yet"
+        base, per_row = self.fit
+        return f"measured, {1000 * base:.1f} ms + {1000 * per_row:.2f} ms a row"
+
     def worth(self, k: int, rate: float, rows: int) -> int:
         """The guesses (at most k) that gain most over a plain step for one of `rows` decodes whose
         guesses stand at `rate`; 0 where none gains. Off or not measured yet: k (guessing measures it)."""

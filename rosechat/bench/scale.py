@@ -75,9 +75,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t = time.perf_counter()
     path, written = cached_gguf(args.shape, args.mix)
     write_s = time.perf_counter() - t
-    from engine.weights.gguf_header import read_header
+    from engine import gguf_vocab_size
 
-    vocab = read_header(Path(path)).arrays["tokenizer.ggml.tokens"].count  # (gguf's reader: seconds for a vocabulary)
+    vocab = gguf_vocab_size(Path(path))
     systems = [ROSECHAT, LLAMA_CPP]
     results = []
     for phase in args.phases.split(","):

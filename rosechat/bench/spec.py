@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "header": {"model": info.name, "dtype": info.dtype, "quantization": info.quantization, "kernels": info.kernels,
                    "threads": torch.get_num_threads(), "cpu": cpu_model(), "max_tokens": args.max_tokens,
                    "repeats": args.repeats, "speculative_config": spec_config, "source": _source_version(),
-                   "spec_cost": _cost_line(spec.scheduler.step_cost),
+                   "spec_cost": spec.spec_cost(),
                    "load_before": load_before, "load_after": _load(), "wall_s": round(time.perf_counter() - t0, 1)},
         "tok_s": table, "identical": same,
         "acceptance": s.spec_accepted_tokens / max(s.spec_draft_tokens, 1),
@@ -223,16 +223,6 @@ def render(report: dict[str, Any]) -> str:
             f"{w} {'yes' if ok else 'NO'}" for w, ok in report["identical"].items()),
     ]
     return "\n".join(lines)
-
-
-def _cost_line(cost: Any) -> str:
-    """What the measured-cost rule ended on: off, or its fit of a decode step's time by rows."""
-    if not cost.on:
-        return "off (ROSECHAT_SPEC_COST=off: the rate alone decides)"
-    if cost.fit is None:
-        return "measured, not fitted yet"
-    base, per_row = cost.fit
-    return f"measured, {1000 * base:.1f} ms + {1000 * per_row:.2f} ms a row"
 
 
 def _streams_line(streams: int) -> str:
