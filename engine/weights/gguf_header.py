@@ -193,9 +193,9 @@ def read_header(path: Path) -> Header:
     return header
 
 
-__all__ = ["ArrayInfo", "Header", "HeaderError", "TensorInfo", "read_array", "read_header", "vocab_size"]
-
-
 def vocab_size(path: Path) -> int:
     """The number of tokens in a GGUF file's vocabulary, from the header alone (gguf's reader takes seconds)."""
     return read_header(Path(path)).arrays["tokenizer.ggml.tokens"].count
+
+
+__all__ = ["ArrayInfo", "Header", "HeaderError", "TensorInfo", "read_array", "read_header", "vocab_size"]
