@@ -14,6 +14,15 @@ except ImportError:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton reads it when a kernel is defined (triton.jit): define ours now, so a test that unsets it (to see
+    # the CPU's refusal) cannot leave them compiled for a GPU for every test after it
+    try:
+        import kernels.triton.cache  # noqa: F401
+        import kernels.triton.decode  # noqa: F401
+        import kernels.triton.prefill  # noqa: F401
+        import kernels.triton.quant  # noqa: F401
+    except ImportError:  # no Triton here (not Linux): its tests skip
+        pass
 # The suite's expectations (float32 tolerances, the CPU's packed kernels) are the CPU defaults' on every
 # machine: "auto" means the CPU here, and the CUDA tests ask for device="cuda" by name.
 os.environ.setdefault("ROSECHAT_DEVICE", "cpu")
