@@ -42,9 +42,14 @@ def _q4_k(data: Tensor, out_f: int, in_f: int) -> tuple[Tensor, Tensor, Tensor]:
     Returns (q uint8 [out, in], scale, minimum [out, in/32]): `w = q * scale + minimum`."""
     d, dmin = f16_field(data, 0), f16_field(data, 2)  # [out, supers]
     sc, mn = k_scale_min(data)
-    qs = data[..., 16:144].reshape(*data.shape[:-1], 4, 32)  # 4 chunks of 64 weights
-    q = torch.stack((qs & 0x0F, qs >> 4), dim=-2).reshape(out_f, in_f)  # chunk i: low nibbles, then high
-    return q, (d[..., None] * sc).reshape(out_f, -1), (-dmin[..., None] * mn).reshape(out_f, -1)
+    return _q4_k_values(data, out_f, in_f), (d[..., None] * sc).reshape(out_f, -1), (-dmin[..., None] * mn).reshape(
+        out_f, -1)
+
+
+def _q4_k_values(data: Tensor, out_f: int, in_f: int) -> Tensor:
+    """Q4_K super-blocks' 4-bit values, uint8 [out, in] (4 chunks of 64: a chunk's low nibbles, then its high)."""
+    qs = data[..., 16:144].reshape(*data.shape[:-1], 4, 32)
+    return torch.stack((qs & 0x0F, qs >> 4), dim=-2).reshape(out_f, in_f)
 
 
 # ------------------------------------------------------------ blocks of 32 for kernels/cpu/quant.cpp
@@ -168,7 +173,7 @@ def q4k_parts(blocks: GGUFBlocks) -> tuple[Tensor, Tensor, Tensor]:
     (sc, mn) [out, in/32, 2]), Q4KWeight's operands, as the file has them."""
     out_f, in_f = blocks.shape
     data = block_view(blocks, 144)
-    q, _, _ = _q4_k(data, out_f, in_f)
+    q = _q4_k_values(data, out_f, in_f)
     sc, mn = k_scale_min(data)  # float32 [out, supers, 8]: 0..63
     dd = data[..., 0:4].contiguous().view(torch.float16)  # [out, supers, 2]: d, dmin
     return nibbles(q), dd, torch.stack((sc, mn), dim=-1).to(torch.uint8).reshape(out_f, -1, 2)

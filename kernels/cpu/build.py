@@ -16,7 +16,6 @@ not in an environment that several checkouts share, whose builds those are).
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -97,9 +96,7 @@ def setup_args() -> dict:
         _warn(f"no C++ compiler ({compiler}): the CPU kernels are not built at install; the first use tries "
              "again, else torch's own kernels run")
         return {}
-    bin_dir = str(Path(sys.executable).parent)  # ninja, installed beside this Python, venv not activated
-    if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join((bin_dir, os.environ.get("PATH", "")))
+    cpu_ops.ninja_on_path()
     return {"ext_modules": extensions(), "cmdclass": {"build_ext": _build_command()}}
 
 

@@ -1,16 +1,11 @@
-"""Our CPU kernels, compiled at first use: quantized linears (quant.cpp), the fused small
-layers of a decode step (layers.cpp) and a whole Llama layer of a decode step (decode.cpp).
+"""Our CPU kernels: quantized linears (quant.cpp, quant_k.cpp: q4, q4k, q8, q8m, q6 blocks of 32, the
+layouts described there), the fused small layers of a decode step (layers.cpp: RMSNorm, RoPE, SiLU * up,
+the K/V write, one-query paged attention, sampling) and a whole Llama decode step (decode.cpp).
 
-`q4_linear(x, qs, d, m)` and `q8_linear(x, qs, d)` (once `available()` has built them) multiply
-float32 activations by weights kept in blocks of 32 (the layouts are described in quant.cpp), and
-`q8m_linear` / `q6_linear` by GGUF's 5- and 6-bit blocks (quant_k.cpp);
-the rest are float32 RMSNorm, RoPE, SiLU * up, the K/V write and one-query paged attention.
-Each ISA variant (kernels/cpu/isa.py) is built when the package is installed (setup.py: torch's
-BuildExtension, one extension module per variant, beside this file), and loaded from there when it was
-built from these very sources, flags and torch (its embedded source key says so). A variant the install
-did not build, or built from other sources (a kernel edited since), is built at first use, once, by
-`torch.utils.cpp_extension` into a directory keyed by that source key. `available()` says whether the
-chosen variant loaded, and `unavailable_reason()` why not, so a caller can fall back to torch's own kernels.
+Each ISA variant (kernels/cpu/isa.py) is built when the package is installed (setup.py: one extension
+module per variant, beside this file) and loaded from there when its embedded source key matches these
+sources, flags and torch; otherwise it is built at first use, once, into a directory keyed by that key.
+`available()` says whether the chosen variant loaded, `unavailable_reason()` why not (torch's kernels run).
 """
 
 from __future__ import annotations
@@ -161,12 +156,17 @@ def _compile(isa: str, where: Path, done: Path) -> None:
             return
         log.warning("CPU kernels %s: building now (%s, once, in %s)", install_problem(isa), isa, where)
         (where / "lock").unlink(missing_ok=True)
-        bin_dir = str(Path(sys.executable).parent)  # the ninja our dependencies install, venv not activated
-        if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = os.pathsep.join((bin_dir, os.environ.get("PATH", "")))
+        ninja_on_path()
         cpp_extension.load(name=f"rosechat_cpu_{isa}", sources=[str(f) for f in _SOURCES], is_python_module=False,
                            extra_cflags=_cflags(isa), build_directory=str(where), verbose=False)
         done.touch()
+
+
+def ninja_on_path() -> None:
+    """torch's builds run `ninja`: the one our dependencies install beside this Python, venv not activated."""
+    bin_dir = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join((bin_dir, os.environ.get("PATH", "")))
 
 
 def needs_build() -> bool:
