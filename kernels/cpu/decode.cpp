@@ -11,6 +11,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "check.h"
+
 namespace {
 
 using Linear4 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
@@ -96,8 +98,8 @@ at::Tensor llama_decode_layer(at::Tensor& x, at::Tensor& residual, at::TensorLis
   static const auto write_kv = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                        const at::Tensor&)>("rosechat_layers::write_kv");
   static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("rosechat_layers::silu_mul");
-  TORCH_CHECK(w.size() == kPerLayer, "llama_decode_layer takes 18 weight tensors, got ", w.size());
-  TORCH_CHECK(prefix_seqs.size() == prefix_blocks.size() && prefix_blocks.size() == prefix_first.size(),
+  ROSECHAT_CHECK(w.size() == kPerLayer, "llama_decode_layer takes 18 weight tensors, got ", w.size());
+  ROSECHAT_CHECK(prefix_seqs.size() == prefix_blocks.size() && prefix_blocks.size() == prefix_first.size(),
               "one member list, block list and first block per shared prefix");
 
   const int64_t T = x.size(0), D = k_cache.size(-1), q_size = num_heads * D, kv_size = num_kv_heads * D;
@@ -125,7 +127,7 @@ struct LlamaDecodeWeights : torch::CustomClassHolder {
   LlamaDecodeWeights(std::vector<at::Tensor> weights, double eps, double scale, int64_t num_heads,
                      int64_t num_kv_heads)
       : w(std::move(weights)), eps(eps), scale(scale), num_heads(num_heads), num_kv_heads(num_kv_heads) {
-    TORCH_CHECK(w.size() % kPerLayer == 1, "18 weight tensors per layer, then the final norm: got ", w.size());
+    ROSECHAT_CHECK(w.size() % kPerLayer == 1, "18 weight tensors per layer, then the final norm: got ", w.size());
   }
   int64_t num_layers() const { return static_cast<int64_t>(w.size() / kPerLayer); }
 };
@@ -140,7 +142,7 @@ at::Tensor llama_decode(const c10::intrusive_ptr<LlamaDecodeWeights>& model, at:
   static const auto add_rms_norm = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>(
       "rosechat_layers::add_rms_norm_");
   const int64_t layers = model->num_layers();
-  TORCH_CHECK(k_pool.dim() == 5 && k_pool.size(0) == layers && v_pool.sizes() == k_pool.sizes(),
+  ROSECHAT_CHECK(k_pool.dim() == 5 && k_pool.size(0) == layers && v_pool.sizes() == k_pool.sizes(),
               "KV pools [", layers, ", blocks, block_size, kv_heads, head_dim]");
   at::Tensor residual = at::zeros_like(x);  // the first layer's residual add is onto zeros
   for (int64_t l = 0; l < layers; ++l) {

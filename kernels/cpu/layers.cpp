@@ -10,6 +10,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "check.h"
 #include "pool.h"
 
 #include <algorithm>
@@ -19,8 +20,8 @@
 namespace {
 
 void check_f32(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, what, ": a float32 CPU tensor");
-  TORCH_CHECK(t.stride(-1) == 1, what, ": the last dim must be contiguous");
+  ROSECHAT_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, what, ": a float32 CPU tensor");
+  ROSECHAT_CHECK(t.stride(-1) == 1, what, ": the last dim must be contiguous");
 }
 
 inline float hsum(__m256 v) {
@@ -128,8 +129,8 @@ inline void norm_row(const float* x, const float* w, float eps, int64_t n, float
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
   check_f32(x, "x");
   check_f32(w, "weight");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [T, N]");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "weight: [N] for x's N = ", x.size(1));
+  ROSECHAT_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [T, N]");
+  ROSECHAT_CHECK(w.dim() == 1 && w.size(0) == x.size(1), "weight: [N] for x's N = ", x.size(1));
 }
 
 // x [T, N] -> RMSNorm(x) * w
@@ -149,7 +150,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
   check_rows(x, w);
   check_rows(residual, w);
-  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual: the same shape");
+  ROSECHAT_CHECK(x.sizes() == residual.sizes(), "x and residual: the same shape");
   const int64_t n = x.size(1);
   float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -193,12 +194,12 @@ void rope_rows(at::Tensor& x, const float* cos, const float* sin, int64_t cs_str
 void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   for (const auto* t : {&q, &k}) {
     check_f32(*t, "q/k");
-    TORCH_CHECK(t->dim() == 3 && t->size(2) % 2 == 0 && t->size(0) == cos.size(0), "q/k: [T, H, D], D even");
+    ROSECHAT_CHECK(t->dim() == 3 && t->size(2) % 2 == 0 && t->size(0) == cos.size(0), "q/k: [T, H, D], D even");
   }
   check_f32(cos, "cos");
   check_f32(sin, "sin");
   const int64_t half = q.size(2) / 2;
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == q.size(0) * half &&
+  ROSECHAT_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == q.size(0) * half &&
                   sin.numel() == cos.numel() && k.size(2) == q.size(2), "cos/sin: contiguous [T, D/2]");
   rope_rows(q, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
   rope_rows(k, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
@@ -207,7 +208,7 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 // x [T, 2I] (gate | up) -> silu(gate) * up [T, I]
 at::Tensor silu_mul(const at::Tensor& x) {
   check_f32(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x: contiguous [T, 2I]");
+  ROSECHAT_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x: contiguous [T, 2I]");
   const int64_t inter = x.size(1) / 2;
   at::Tensor out = at::empty({x.size(0), inter}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -235,18 +236,18 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               const at::Tensor& slots) {
   for (const at::Tensor* t : {&k, &v, static_cast<const at::Tensor*>(&k_cache), static_cast<const at::Tensor*>(&v_cache)})
     check_f32(*t, "k/v and caches");
-  TORCH_CHECK(k.dim() == 3 && k.stride(1) == k.size(2) && v.sizes() == k.sizes() && v.stride(1) == v.size(2),
+  ROSECHAT_CHECK(k.dim() == 3 && k.stride(1) == k.size(2) && v.sizes() == k.sizes() && v.stride(1) == v.size(2),
               "k, v: [T, Hkv, D], each token's heads contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+  ROSECHAT_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.size(-1) * k_cache.size(-2) == k.size(1) * k.size(2), "caches: contiguous, k's row size");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+  ROSECHAT_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
               "slots: contiguous int64 [T]");
   const int64_t row = k.size(1) * k.size(2), capacity = k_cache.numel() / row;
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < k.size(0); ++t) {
     const int64_t s = sp[t];
     if (s < 0) continue;
-    TORCH_CHECK(s < capacity, "slot ", s, " is past the cache's ", capacity, " slots");
+    ROSECHAT_CHECK(s < capacity, "slot ", s, " is past the cache's ", capacity, " slots");
     std::copy_n(k.data_ptr<float>() + t * k.stride(0), row, k_cache.data_ptr<float>() + s * row);
     std::copy_n(v.data_ptr<float>() + t * v.stride(0), row, v_cache.data_ptr<float>() + s * row);
   }
@@ -260,22 +261,22 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
                                                     const at::Tensor& counts, double scale) {
   for (const auto* t : {&q, &k_rows, &v_rows}) {
     check_f32(*t, "q and the caches");
-    TORCH_CHECK(t->is_contiguous(), "q and the caches: contiguous");
+    ROSECHAT_CHECK(t->is_contiguous(), "q and the caches: contiguous");
   }
-  TORCH_CHECK(q.dim() == 3 && k_rows.dim() == 2 && v_rows.sizes() == k_rows.sizes(), "q [n, Hq, D], rows [S, Hkv*D]");
+  ROSECHAT_CHECK(q.dim() == 3 && k_rows.dim() == 2 && v_rows.sizes() == k_rows.sizes(), "q [n, Hq, D], rows [S, Hkv*D]");
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), S = k_rows.size(0);
   const int64_t Hkv = k_rows.size(1) / D;
-  TORCH_CHECK(Hkv > 0 && Hkv * D == k_rows.size(1) && Hq % Hkv == 0, "the rows hold whole heads, Hq a multiple");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == n && slots.is_contiguous(),
+  ROSECHAT_CHECK(Hkv > 0 && Hkv * D == k_rows.size(1) && Hq % Hkv == 0, "the rows hold whole heads, Hq a multiple");
+  ROSECHAT_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == n && slots.is_contiguous(),
               "slots: contiguous int64 [n, L]");
-  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.numel() == n && counts.is_contiguous(), "counts: int64 [n]");
+  ROSECHAT_CHECK(counts.scalar_type() == at::kLong && counts.numel() == n && counts.is_contiguous(), "counts: int64 [n]");
   const int64_t L = slots.size(1), G = Hq / Hkv;
   const int64_t* cp = counts.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(cp[i] >= 1 && cp[i] <= L, "sequence ", i, ": ", cp[i], " keys of ", L, " slots");
+    ROSECHAT_CHECK(cp[i] >= 1 && cp[i] <= L, "sequence ", i, ": ", cp[i], " keys of ", L, " slots");
     for (int64_t j = 0; j < cp[i]; ++j)
-      TORCH_CHECK(sp[i * L + j] >= 0 && sp[i * L + j] < S, "slot ", sp[i * L + j], " is outside the cache");
+      ROSECHAT_CHECK(sp[i * L + j] >= 0 && sp[i * L + j] < S, "slot ", sp[i * L + j], " is outside the cache");
   }
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({n, Hq}, q.options());
@@ -351,7 +352,7 @@ int64_t row_argmax(const float* x, int64_t n) {
 
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_f32(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.is_contiguous(), "x: contiguous [rows, n], n > 0");
+  ROSECHAT_CHECK(x.dim() == 2 && x.size(1) > 0 && x.is_contiguous(), "x: contiguous [rows, n], n > 0");
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
@@ -493,18 +494,18 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& seen, const a
                        const at::Tensor& penalties, const at::Tensor& temperatures, const at::Tensor& top_ks,
                        const at::Tensor& top_ps, const at::Tensor& min_ps, const at::Tensor& uniforms) {
   check_f32(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.is_contiguous(), "logits: contiguous [rows, n]");
+  ROSECHAT_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.is_contiguous(), "logits: contiguous [rows, n]");
   const int64_t rows = logits.size(0), n = logits.size(1);
   for (const at::Tensor* t : {&penalties, &temperatures, &top_ps, &min_ps})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == rows && t->is_contiguous(), "per-row float32 [rows]");
-  TORCH_CHECK(top_ks.scalar_type() == at::kLong && top_ks.numel() == rows, "top_ks: int64 [rows]");
-  TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.numel() == rows, "uniforms: float64 [rows]");
-  TORCH_CHECK(seen.scalar_type() == at::kLong && seen_offsets.scalar_type() == at::kLong &&
+    ROSECHAT_CHECK(t->scalar_type() == at::kFloat && t->numel() == rows && t->is_contiguous(), "per-row float32 [rows]");
+  ROSECHAT_CHECK(top_ks.scalar_type() == at::kLong && top_ks.numel() == rows, "top_ks: int64 [rows]");
+  ROSECHAT_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.numel() == rows, "uniforms: float64 [rows]");
+  ROSECHAT_CHECK(seen.scalar_type() == at::kLong && seen_offsets.scalar_type() == at::kLong &&
               seen_offsets.numel() == rows + 1 && seen.is_contiguous(), "seen: int64 ids, seen_offsets [rows + 1]");
   const int64_t* off = seen_offsets.data_ptr<int64_t>();
   const int64_t* ids = seen.data_ptr<int64_t>();
-  TORCH_CHECK(off[rows] <= seen.numel(), "seen_offsets past the ids");
-  for (int64_t j = 0; j < off[rows]; ++j) TORCH_CHECK(ids[j] >= 0 && ids[j] < n, "a seen id outside the vocabulary");
+  ROSECHAT_CHECK(off[rows] <= seen.numel(), "seen_offsets past the ids");
+  for (int64_t j = 0; j < off[rows]; ++j) ROSECHAT_CHECK(ids[j] >= 0 && ids[j] < n, "a seen id outside the vocabulary");
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();

@@ -27,7 +27,7 @@ from kernels.cpu import isa as cpu_isa
 
 BLOCK = 32
 _SOURCES = [Path(__file__).with_name(f) for f in ("quant.cpp", "quant_k.cpp", "layers.cpp", "decode.cpp")]
-_HEADERS = [Path(__file__).with_name(f) for f in ("quant.h", "pool.h")]
+_HEADERS = [Path(__file__).with_name(f) for f in ("quant.h", "pool.h", "check.h")]
 log = logging.getLogger(__name__)
 
 

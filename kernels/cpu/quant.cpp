@@ -64,10 +64,10 @@ struct Q4 : Rows {
 // or both float16 (S)
 template <typename S>
 Q4<S> q4_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(d.dim() == 3 && qs.dim() == 2, "q4 weight [N, ceil(K/64) * 32], block scales [ceil(N/8), K/32, 8] "
+  ROSECHAT_CHECK(d.dim() == 3 && qs.dim() == 2, "q4 weight [N, ceil(K/64) * 32], block scales [ceil(N/8), K/32, 8] "
               "(cpu_ops.pack_scales)");
   const int64_t n = qs.size(0), nb = d.size(1);  // the scales count the blocks
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(1) == (nb + 1) / 2 * 32,
+  ROSECHAT_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.size(1) == (nb + 1) / 2 * 32,
               "q4 weight: contiguous uint8 [N, ceil(K/64) * 32] (cpu_ops.pack_q4), K = ", nb * kBlock);
   return Q4<S>{Rows{qs.data_ptr<uint8_t>(), n, qs.size(1)}, scales<S>(d, n, nb, "block scales"),
                scales<S>(m, n, nb, "q4 offsets"), nb};
@@ -113,13 +113,13 @@ struct Q4K : Rows {
 };
 
 Q4K q4k_weight(const at::Tensor& qs, const at::Tensor& dd, const at::Tensor& sc) {
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % 128 == 0,
+  ROSECHAT_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % 128 == 0,
               "q4k weight: contiguous uint8 [N, K/2] (cpu_ops.pack_q4), K a multiple of 256");
   const int64_t n = qs.size(0), nb = qs.size(1) / 16, groups = (n + 7) / 8;
-  TORCH_CHECK(dd.scalar_type() == at::kHalf && dd.is_contiguous() && dd.dim() == 4 && dd.size(0) == groups &&
+  ROSECHAT_CHECK(dd.scalar_type() == at::kHalf && dd.is_contiguous() && dd.dim() == 4 && dd.size(0) == groups &&
                   dd.size(1) == nb / 8 && dd.size(2) == 2 && dd.size(3) == kLanes,
               "q4k super-block scales: contiguous float16 [ceil(N/8), K/256, 2, 8] (cpu_ops.pack_sub_scales)");
-  TORCH_CHECK(sc.scalar_type() == at::kByte && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == groups &&
+  ROSECHAT_CHECK(sc.scalar_type() == at::kByte && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == groups &&
                   sc.size(1) == nb && sc.size(2) == 2 && sc.size(3) == kLanes,
               "q4k block scales and mins: contiguous uint8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales)");
   return Q4K{Rows{qs.data_ptr<uint8_t>(), n, qs.size(1)}, static_cast<const uint16_t*>(dd.data_ptr()),

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include "check.h"
 #include "pool.h"
 
 #include <algorithm>
@@ -280,7 +281,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const W& w) {
 template <typename S = float>
 inline const S* scales(const at::Tensor& d, int64_t n, int64_t nb, const char* what) {
   constexpr bool half = std::is_same_v<S, uint16_t>;
-  TORCH_CHECK(d.scalar_type() == (half ? at::kHalf : at::kFloat) && d.is_contiguous() && d.dim() == 3 &&
+  ROSECHAT_CHECK(d.scalar_type() == (half ? at::kHalf : at::kFloat) && d.is_contiguous() && d.dim() == 3 &&
                   d.size(0) == (n + 7) / 8 && d.size(1) == nb && d.size(2) == kLanes,
               what, ": contiguous ", half ? "float16" : "float32", " [ceil(N/8), K/32, 8] (cpu_ops.pack_scales)");
   return static_cast<const S*>(d.data_ptr());
@@ -293,8 +294,8 @@ auto with_scales(const at::Tensor& d, F f) {
   return d.scalar_type() == at::kHalf ? f(uint16_t{}) : f(float{});
 }
 inline void check_x(const at::Tensor& x, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns; the weight takes ", k);
+  ROSECHAT_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  ROSECHAT_CHECK(x.size(1) == k, "x has ", x.size(1), " columns; the weight takes ", k);
 }
 
 // The int8 layout (q8 and quant_k.cpp's q8m and q6): a block's byte 2j is element j, byte 2j + 1
@@ -321,7 +322,7 @@ struct Q8 : Rows {
 // qs int8 [N, K] (cpu_ops.pack_q8's order); d float32 (or float16: S) [ceil(N/8), K/32, 8]
 template <typename S = float>
 inline Q8<S> q8_weight(const at::Tensor& qs, const at::Tensor& d) {
-  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % kBlock == 0,
+  ROSECHAT_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % kBlock == 0,
               "q8 weight: contiguous int8 [N, K], K a multiple of 32 (cpu_ops.pack_q8)");
   const int64_t n = qs.size(0), k = qs.size(1);
   return Q8<S>{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, k},
@@ -332,11 +333,11 @@ inline Q8<S> q8_weight(const at::Tensor& qs, const at::Tensor& d) {
 // engine/weights/packed.block_rows rounds it from GGML's blocks (a product, then a sum).
 template <typename Row>
 at::Tensor weight_rows(const Rows& rows, int64_t k, const at::Tensor& ids, const Row& row) {
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids: int64");
+  ROSECHAT_CHECK(ids.scalar_type() == at::kLong, "ids: int64");
   const at::Tensor flat = ids.reshape(-1).contiguous();
   const int64_t* id = flat.data_ptr<int64_t>();
   for (int64_t i = 0; i < flat.numel(); ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < rows.n, "row ", id[i], " of a weight with ", rows.n, " rows");
+    ROSECHAT_CHECK(id[i] >= 0 && id[i] < rows.n, "row ", id[i], " of a weight with ", rows.n, " rows");
   at::Tensor out = at::empty({flat.numel(), k}, at::kFloat);
   float* o = out.data_ptr<float>();
   rosechat::parallel_for(0, flat.numel(), 64, [&](int64_t begin, int64_t end) {

@@ -57,16 +57,16 @@ Q8M q8m_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
 }
 
 Q6 q6_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
-  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.dim() == 2 && qs.size(1) % 256 == 0,
+  ROSECHAT_CHECK(qs.scalar_type() == at::kChar && qs.dim() == 2 && qs.size(1) % 256 == 0,
               "q6 weight: int8 [N, K], K a multiple of 256");
   const int64_t n = qs.size(0), nb = qs.size(1) / kBlock;
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
+  ROSECHAT_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
                   d.size(1) == nb / 8 && d.size(2) == kLanes,
               "q6 super-block scales: contiguous float32 [ceil(N/8), K/256, 8] (cpu_ops.pack_scales)");
-  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == (n + 7) / 8 &&
+  ROSECHAT_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == (n + 7) / 8 &&
                   sc.size(1) == nb && sc.size(2) == 2 && sc.size(3) == kLanes,
               "q6 sub-scales: contiguous int8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales)");
-  TORCH_CHECK(qs.is_contiguous(), "q6 weight: contiguous (cpu_ops.pack_q8)");
+  ROSECHAT_CHECK(qs.is_contiguous(), "q6 weight: contiguous (cpu_ops.pack_q8)");
   const Q8<> w{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, qs.size(1)}, d.data_ptr<float>(), nb};
   return Q6{w, sc.data_ptr<int8_t>()};
 }
