@@ -103,12 +103,11 @@ def tokenizer_class(model: Any, config: Any) -> type:
 def tokenizer(model: Any, config: Any) -> Any:
     """AutoTokenizer.from_pretrained(model.path.parent, gguf_file=model.path.name) for a file whose config is
     `config` (config(model)'s): the class it picks, given what AutoTokenizer gives it."""
-    from transformers.utils.hub import resolve_revision
-
     folder = model.path.parent
     cls = tokenizer_class(model, config)
-    return cls.from_pretrained(folder, gguf_file=model.path.name, _from_auto=True,
-                               revision=resolve_revision(folder, None, local_files_only=False))
+    # AutoTokenizer's own call; its revision (transformers.utils.hub.resolve_revision, not in every
+    # transformers this runs with) is the one asked for, None, for a local folder
+    return cls.from_pretrained(folder, gguf_file=model.path.name, _from_auto=True)
 
 
 __all__ = ["ARCHS", "Unsupported", "config", "config_dict", "tokenizer", "tokenizer_class"]
