@@ -20,9 +20,11 @@ def test_write_kv(backend: str, bs: int, hkv: int, d: int, dtype: torch.dtype) -
     k_cache = torch.randn(layers, num_blocks, bs, hkv, d, generator=gen).to(DEVICE, dtype)
     v_cache = torch.randn(layers, num_blocks, bs, hkv, d, generator=gen).to(DEVICE, dtype)
     before_k, before_v = k_cache.clone(), v_cache.clone()
-    # distinct random slots, some tokens skipped (-1); block-boundary slots included
-    slots = torch.randperm(num_blocks * bs, generator=gen)[:T]
-    slots[:3] = torch.tensor([0, bs - 1, num_blocks * bs - 1])
+    # distinct random slots (two tokens never share one: on a GPU their writes race), block-boundary
+    # slots first, some tokens skipped (-1)
+    edges = torch.tensor([0, bs - 1, num_blocks * bs - 1])
+    rest = torch.randperm(num_blocks * bs, generator=gen)
+    slots = torch.cat((edges, rest[~torch.isin(rest, edges)][: T - 3]))
     slots[torch.tensor([4, 9])] = -1
     # k, v as strided views of a fused projection output, like a model produces them
     kv = torch.randn(T, 2 * hkv + 1, d, generator=gen).to(DEVICE, dtype)
