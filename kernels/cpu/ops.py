@@ -1,4 +1,4 @@
-"""Our CPU kernels: quantized linears (quant.cpp, quant_k.cpp: q4, q4k, q8, q8m, q6 blocks of 32, the
+"""Our CPU kernels: quantized linears (quant.cpp, quant_k.cpp: q4, q4k, q8, q8m, q6, q6k blocks of 32, the
 layouts described there), the fused small layers of a decode step (layers.cpp: RMSNorm, RoPE, SiLU * up,
 the K/V write, one-query paged attention, sampling) and a whole Llama decode step (decode.cpp).
 
@@ -24,6 +24,14 @@ import torch
 from torch import Tensor
 
 from kernels.cpu import isa as cpu_isa
+from kernels.cpu.layouts import (  # noqa: F401 (the packers, here for the callers of cpu_ops)
+    interleave_rows,
+    pack_q4,
+    pack_q6k,
+    pack_q8,
+    pack_scales,
+    pack_sub_scales,
+)
 
 BLOCK = 32
 _SOURCES = [Path(__file__).with_name(f) for f in ("quant.cpp", "quant_k.cpp", "layers.cpp", "decode.cpp")]
@@ -223,56 +231,7 @@ def unavailable_reason() -> str | None:
     return _build()
 
 
-def interleave_rows(rows: Tensor) -> Tensor:
-    """Rows of 32-byte units [N, U * 32] -> the kernels' groups of 8 rows: a group stores unit u of
-    each of its rows together (the last group holds N % 8 rows if not 8), so the 8 rows a tile
-    multiplies are read as one sequential stream."""
-    n, width = rows.shape
-    full = n // 8 * 8
-    groups = rows[:full].reshape(n // 8, 8, width // 32, 32).transpose(1, 2).reshape(full, width)
-    tail = rows[full:].reshape(n - full, width // 32, 32).transpose(0, 1).reshape(n - full, width)
-    return torch.cat((groups, tail)).contiguous()
-
-
-def pack_q4(nibbles: Tensor) -> Tensor:
-    """GGML-order q4 bytes [N, K/2] (16 per block of 32) -> q4_linear's layout [N, ceil(K/64) * 32]:
-    the blocks in pairs, the pair's bytes interleaved (a lone last block paired with zeros), the rows
-    in groups of 8 (interleave_rows)."""
-    n, nb = nibbles.shape[0], nibbles.shape[1] // 16
-    blocks = nibbles.reshape(n, nb, 16)
-    if nb % 2:
-        blocks = torch.cat((blocks, blocks.new_zeros(n, 1, 16)), dim=1)
-    return interleave_rows(blocks.view(n, -1, 2, 16).transpose(2, 3).reshape(n, -1))
-
-
-def pack_q8(q: Tensor) -> Tensor:
-    """int8 [N, K] in blocks of 32 -> q8_linear's order: each block's halves interleaved byte by byte,
-    the rows in groups of 8 (interleave_rows)."""
-    n, k = q.shape
-    return interleave_rows(q.reshape(n, k // 32, 2, 16).transpose(2, 3).reshape(n, k))
-
-
-def pack_scales(d: Tensor) -> Tensor:
-    """Block scales [N, K/32] -> the kernels' groups of 8 rows, [ceil(N/8), K/32, 8] (zeros pad the last
-    group): one load gives a tile the scales of its 8 outputs. float16 stays float16 (q4_linear and
-    q8_linear take either), anything else becomes float32."""
-    n, nb = d.shape
-    groups = d.new_zeros((n + 7) // 8 * 8, nb, dtype=d.dtype if d.dtype == torch.float16 else torch.float32)
-    groups[:n] = d
-    return groups.view(-1, 8, nb).transpose(1, 2).contiguous()
-
-
-_EMPTY = torch.empty(0)  # "no offsets" for q6
-
-
-def pack_sub_scales(sc: Tensor) -> Tensor:
-    """Scales in pairs [N, 2P] (q6: a block's two half-block scales, int8; q4k: a block's scale and min,
-    uint8, or a super-block's d and dmin, float16) -> the kernels' groups of 8 rows, [ceil(N/8), P, 2, 8]
-    (zeros pad the last group): each pair's first members for the 8 rows, then its second."""
-    n, halves = sc.shape
-    groups = sc.new_zeros((n + 7) // 8 * 8, halves)
-    groups[:n] = sc
-    return groups.view(-1, 8, halves // 2, 2).permute(0, 2, 3, 1).contiguous()
+_EMPTY = torch.empty(0)  # "no offsets" for q6 and q6k
 
 
 def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
@@ -307,6 +266,12 @@ def q6_linear(x: Tensor, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None = N
     return torch.ops.rosechat_quant.q6_linear(x, qs, d, sc, _EMPTY if m is None else m)
 
 
+def q6k_linear(x: Tensor, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None = None) -> Tensor:
+    """q6_linear's product with the values in pack_q6k's layout (6 bits a value, not 8) and d float16 (Q6_K's
+    own): the same results bit for bit."""
+    return torch.ops.rosechat_quant.q6k_linear(x, qs, d, sc, _EMPTY if m is None else m)
+
+
 def q8m_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
     """Rows ids (int64, any shape) of a q8m_linear weight as float32 [*ids.shape, K]."""
     return torch.ops.rosechat_quant.q8m_rows(qs, d, m, ids)
@@ -315,6 +280,11 @@ def q8m_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
 def q6_rows(qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None, ids: Tensor) -> Tensor:
     """Rows ids (int64, any shape) of a q6_linear weight as float32 [*ids.shape, K]."""
     return torch.ops.rosechat_quant.q6_rows(qs, d, sc, _EMPTY if m is None else m, ids)
+
+
+def q6k_rows(qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None, ids: Tensor) -> Tensor:
+    """Rows ids (int64, any shape) of a q6k_linear weight as float32 [*ids.shape, K]."""
+    return torch.ops.rosechat_quant.q6k_rows(qs, d, sc, _EMPTY if m is None else m, ids)
 
 
 def q4_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:

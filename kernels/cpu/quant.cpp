@@ -41,15 +41,7 @@ struct Q4 : Rows {
   const S *d, *m;
   int64_t nb;
   static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b / 2 * stride));
-    const __m256i low = _mm256_set1_epi16(0x0F);
-    if (b % 2 == 0) {  // the pair's first block: the low byte of every lane
-      lo = _mm256_and_si256(v, low);
-      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    } else {
-      lo = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
-      hi = _mm256_srli_epi16(v, 12);
-    }
+    widen_nibbles(row + b / 2 * stride, b, lo, hi);
   }
   template <int R>
   __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return block_lanes<R>(d, nb, o, b, w_index); }
@@ -57,7 +49,7 @@ struct Q4 : Rows {
   __m256 offset(int64_t o, int64_t b, __m256i w_index) const { return block_lanes<R>(m, nb, o, b, w_index); }
   static constexpr bool kOffset = true;
   static constexpr int kParts = 1;
-  static constexpr int kBlocksPerUnit = 2;
+  static constexpr int kSpanBlocks = 2, kSpanUnits = 1;
 };
 
 // qs uint8 [N, ceil(K/64) * 32] (block pairs, cpu_ops.pack_q4); d and m [ceil(N/8), K/32, 8], both float32
@@ -109,7 +101,7 @@ struct Q4K : Rows {
   __m256 offset(int64_t o, int64_t b, __m256i w_index) const { return product<R>(o, b, 1, w_index); }
   static constexpr bool kOffset = true;
   static constexpr int kParts = 1;
-  static constexpr int kBlocksPerUnit = 2;
+  static constexpr int kSpanBlocks = 2, kSpanUnits = 1;
 };
 
 Q4K q4k_weight(const at::Tensor& qs, const at::Tensor& dd, const at::Tensor& sc) {

@@ -1,7 +1,7 @@
 // What the blocked linears of quant.cpp (q4, q8) and quant_k.cpp (q8m, q6: GGUF's Q5 and Q6 blocks)
 // share: x quantized per block of 32 to int16, the integer block dot products and the tiles that fold
 // them, the row lookups. A weight format is a struct (quant.cpp's Q4 and Q8 describe the members a
-// tile reads: widen, scale, kOffset, kParts, kBlocksPerUnit). The layouts are described in quant.cpp.
+// tile reads: widen, scale, kOffset, kParts, kSpanBlocks, kSpanUnits). The layouts are described in quant.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -133,6 +133,20 @@ struct Rows {
   const uint8_t* row(int64_t r) const { return q + r / kLanes * kLanes * row_bytes + r % kLanes * 32; }
 };
 
+// q4's nibbles (quant.cpp's layout: a 32-byte unit holds a pair of blocks, 16-bit lane j byte j of each,
+// element j in the low nibble, j + 16 in the high) widened: block b % 2's elements j to lo, j + 16 to hi
+inline void widen_nibbles(const uint8_t* unit, int64_t b, __m256i& lo, __m256i& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit));
+  const __m256i low = _mm256_set1_epi16(0x0F);
+  if (b % 2 == 0) {  // the pair's first block: the low byte of every lane
+    lo = _mm256_and_si256(v, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  } else {
+    lo = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
+    hi = _mm256_srli_epi16(v, 12);
+  }
+}
+
 // Block scales are float32, or float16 (its raw bits, uint16_t) where the file's own are (GGUF Q4_0,
 // Q4_1, Q8_0: exact): a q4 block then streams 20 bytes, as in the file, not 24. F16C converts 8 at once.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -212,8 +226,10 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, flo
   for (int64_t b = 0; b < nb; ++b) {
     const int16_t* xb = x + b * xq.rows * kBlock;  // block b of x row r0, row r0 + t 32 values on
     if constexpr (T == 1) {  // a group's unit kPrefetch bytes on (wider tiles revisit units: no need)
-      if (b % W::kBlocksPerUnit == 0) {
-        const char* unit = reinterpret_cast<const char*>(rows[0] + b / W::kBlocksPerUnit * stride);
+      // a span of kSpanBlocks blocks takes kSpanUnits units (q6k: 4 blocks, 3 units): its first blocks fetch them
+      if (b % W::kSpanBlocks < W::kSpanUnits) {
+        const int64_t u = b / W::kSpanBlocks * W::kSpanUnits + b % W::kSpanBlocks;
+        const char* unit = reinterpret_cast<const char*>(rows[0] + u * stride);
         for (int line = 0; line < 4; ++line) _mm_prefetch(unit + kPrefetch + 64 * line, _MM_HINT_T0);
       }
     }
@@ -302,7 +318,8 @@ inline void check_x(const at::Tensor& x, int64_t k) {
 // element j + 16 (cpu_ops.pack_q8), so shifts widen a block to its two int16 halves. Block scales d
 // in groups of 8 rows, [ceil(N/8), K/32, 8] (cpu_ops.pack_scales). A format's members the tile reads:
 // widen, scale<R>(o, b, part, w_index) (the lanes of rows o..o+R), kParts (1: one scale a block; 2: one
-// a half), kOffset (with offset<R>(o, b, w_index): an offset a block, times the block's sum of x), kBlocksPerUnit.
+// a half), kOffset (with offset<R>(o, b, w_index): an offset a block, times the block's sum of x), and
+// kSpanBlocks, kSpanUnits (a run of kSpanBlocks blocks fills kSpanUnits 32-byte units: prefetched ahead).
 template <typename S = float>
 struct Q8 : Rows {
   const S* d;
@@ -316,7 +333,7 @@ struct Q8 : Rows {
   __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return block_lanes<R>(d, nb, o, b, w_index); }
   static constexpr bool kOffset = false;
   static constexpr int kParts = 1;
-  static constexpr int kBlocksPerUnit = 1;
+  static constexpr int kSpanBlocks = 1, kSpanUnits = 1;
 };
 
 // qs int8 [N, K] (cpu_ops.pack_q8's order); d float32 (or float16: S) [ceil(N/8), K/32, 8]

@@ -10,8 +10,15 @@
 //        significant bits): 8.6 bits a weight where a float scale per 16 took 10. Each half's integer
 //        sum is scaled apart (kParts = 2): twice the folds and FMAs of q8.
 //
+//   q6k: q6's values at the file's size, 6.5625 bits a weight as in Q6_K (q6 takes 8.6): per row, each
+//        run of 4 blocks (128 weights) is 3 units: q4's nibbles of blocks 0 and 1, of blocks 2 and 3
+//        (quant.cpp's pair layout), then the 4 blocks' top two bits (16-bit lane j holds, at bit
+//        4 * (b % 4) + 2 * h, those of block b's element j + 16 h). The values are q + 32 (0..63),
+//        widened to the very int16 q6 holds, so every block sum, and so every result, is q6's bit for
+//        bit; sc as q6's, d the file's float16 (exact), m (optional) as q6's.
+//
 // Q5_0 ((q - 16) * d) is plain q8. The AVX-512 variant differs only where quant.h's block_dot does
-// (VNNI, q8m); q6's half sums are single multiply-adds in both.
+// (VNNI, q8m); q6's and q6k's half sums are single multiply-adds in both.
 #include <torch/library.h>
 
 #include "quant.h"
@@ -27,23 +34,62 @@ struct Q8M : Q8<> {
   static constexpr bool kOffset = true;
 };
 
-// sc int8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales): a group's 8 rows' scales of block b's first
-// half, then of its second; d float32 [ceil(N/8), K/256, 8] (cpu_ops.pack_scales of [N, K/256])
+// d * sc of block b's half `part` for rows o..o+R in the tile's lanes. sc int8 [ceil(N/8), K/32, 2, 8]
+// (cpu_ops.pack_sub_scales): a group's 8 rows' scales of block b's first half, then of its second; d
+// float32 (q6) or float16 (q6k) [ceil(N/8), K/256, 8] (cpu_ops.pack_scales of [N, K/256])
+template <int R, typename S>
+inline __m256 sub_scale(const S* d, const int8_t* sc, int64_t nb, int64_t o, int64_t b, int part, __m256i w_index) {
+  const int64_t g = o / kLanes;
+  const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + ((g * nb + b) * 2 + part) * kLanes));
+  const __m256 s = _mm256_mul_ps(load8(d + (g * (nb / 8) + b / 8) * kLanes), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));
+  if constexpr (R == kLanes) return s;
+  else return _mm256_permutevar8x32_ps(s, w_index);  // o's own lane (R = 1), or rows o..o+R
+}
+
 struct Q6 : Q8<> {
   const int8_t* sc;
   template <int R>
-  __m256 scale(int64_t o, int64_t b, int part, __m256i w_index) const {
-    const int64_t g = o / kLanes;
-    const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + ((g * nb + b) * 2 + part) * kLanes));
-    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(d + (g * (nb / 8) + b / 8) * kLanes),
-                                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));
-    if constexpr (R == kLanes) return s;
-    else return _mm256_permutevar8x32_ps(s, w_index);  // o's own lane (R = 1), or rows o..o+R
-  }
+  __m256 scale(int64_t o, int64_t b, int part, __m256i w_index) const { return sub_scale<R>(d, sc, nb, o, b, part, w_index); }
   static constexpr int kParts = 2;
 };
 
 struct Q6M : Q6 {
+  const float* m;
+  template <int R>
+  __m256 offset(int64_t o, int64_t b, __m256i w_index) const { return block_lanes<R>(m, nb, o, b, w_index); }
+  static constexpr bool kOffset = true;
+};
+
+struct Q6K : Rows {
+  const uint16_t* d;
+  const int8_t* sc;
+  int64_t nb;
+  static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
+    const uint8_t* span = row + b / 4 * 3 * stride;
+    widen_nibbles(span + b % 4 / 2 * stride, b, lo, hi);
+    // block b's top bits to bits 0-1 (elements j) and 2-3 (j + 16) of lane j, then onto the nibbles
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span + 2 * stride));
+    const __m256i bits = _mm256_srl_epi16(v, _mm_cvtsi32_si128(static_cast<int>(4 * (b % 4))));
+    const __m256i top = _mm256_set1_epi16(0x30), bias = _mm256_set1_epi16(32);
+    lo = _mm256_sub_epi16(_mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(bits, 4), top)), bias);
+    hi = _mm256_sub_epi16(_mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(bits, 2), top)), bias);
+  }
+  template <int R>
+  __m256 scale(int64_t o, int64_t b, int part, __m256i w_index) const { return sub_scale<R>(d, sc, nb, o, b, part, w_index); }
+  static constexpr bool kOffset = false;
+  static constexpr int kParts = 2;
+  static constexpr int kSpanBlocks = 4, kSpanUnits = 3;
+  // block b's value j (0..31) of row r, as widen gives it
+  int value(const uint8_t* row, int64_t stride, int64_t b, int j) const {
+    const uint8_t* span = row + b / 4 * 3 * stride;
+    const uint8_t nibbles = span[b % 4 / 2 * stride + 2 * (j % 16) + b % 2];
+    const uint8_t* lane = span + 2 * stride + 2 * (j % 16);
+    const int bits = ((lane[0] | lane[1] << 8) >> (4 * (b % 4) + 2 * (j / 16))) & 3;
+    return ((j < 16 ? nibbles & 0x0F : nibbles >> 4) | bits << 4) - 32;
+  }
+};
+
+struct Q6KM : Q6K {
   const float* m;
   template <int R>
   __m256 offset(int64_t o, int64_t b, __m256i w_index) const { return block_lanes<R>(m, nb, o, b, w_index); }
@@ -69,6 +115,31 @@ Q6 q6_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
   ROSECHAT_CHECK(qs.is_contiguous(), "q6 weight: contiguous (cpu_ops.pack_q8)");
   const Q8<> w{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, qs.size(1)}, d.data_ptr<float>(), nb};
   return Q6{w, sc.data_ptr<int8_t>()};
+}
+
+// qs uint8 [N, 3K/4] (cpu_ops.pack_q6k), d float16 [ceil(N/8), K/256, 8], sc as q6's
+Q6K q6k_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % 192 == 0,
+              "q6k weight: contiguous uint8 [N, 3K/4] (cpu_ops.pack_q6k), K a multiple of 256");
+  const int64_t n = qs.size(0), nb = qs.size(1) / 24, groups = (n + 7) / 8;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 3 && d.size(0) == groups &&
+                  d.size(1) == nb / 8 && d.size(2) == kLanes,
+              "q6k super-block scales: contiguous float16 [ceil(N/8), K/256, 8] (cpu_ops.pack_scales)");
+  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == groups &&
+                  sc.size(1) == nb && sc.size(2) == 2 && sc.size(3) == kLanes,
+              "q6k sub-scales: contiguous int8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales)");
+  return Q6K{Rows{qs.data_ptr<uint8_t>(), n, qs.size(1)}, static_cast<const uint16_t*>(d.data_ptr()),
+             sc.data_ptr<int8_t>(), nb};
+}
+
+// m empty: no offsets
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc,
+                      const at::Tensor& m) {
+  const Q6K w = q6k_weight(qs, d, sc);
+  check_x(x, w.nb * kBlock);
+  if (m.numel() == 0) return blocked_linear(x, w);
+  check_scales(m, w.n, w.nb, "q6k offsets");
+  return blocked_linear(x, Q6KM{w, m.data_ptr<float>()});
 }
 
 at::Tensor q8m_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
@@ -135,6 +206,29 @@ at::Tensor q6_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
   });
 }
 
+// As q6_rows rounds them: (d * sc) * q (+ m)
+at::Tensor q6k_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc, const at::Tensor& m,
+                    const at::Tensor& ids) {
+  const Q6K w = q6k_weight(qs, d, sc);
+  const int64_t nb = w.nb;
+  if (m.numel()) check_scales(m, w.n, nb, "q6k offsets");
+  const float* offsets = m.numel() ? m.data_ptr<float>() : nullptr;
+  return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
+    const uint8_t* row = w.row(r);
+    const int64_t stride = w.stride(r), g = r / kLanes, lane = r % kLanes;
+    for (int64_t b = 0; b < nb; ++b, out += kBlock) {
+      const float super = to_float(w.d[(g * (nb / 8) + b / 8) * kLanes + lane]);
+      const float half[2] = {super * static_cast<float>(w.sc[((g * nb + b) * 2) * kLanes + lane]),
+                             super * static_cast<float>(w.sc[((g * nb + b) * 2 + 1) * kLanes + lane])};
+      const float mb = offsets ? scale_of(offsets, nb, r, b) : 0.0f;
+      for (int j = 0; j < kBlock; ++j) {
+        const float v = half[j / 16] * static_cast<float>(w.value(row, stride, b, j));
+        out[j] = offsets ? v + mb : v;  // no + 0.0f without offsets: -0.0 stays -0.0, as in q6_rows
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rosechat_quant, lib) {
@@ -142,4 +236,6 @@ TORCH_LIBRARY_FRAGMENT(rosechat_quant, lib) {
   lib.def("q6_linear(Tensor x, Tensor qs, Tensor d, Tensor sc, Tensor m) -> Tensor", &q6_linear);
   lib.def("q8m_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor", &q8m_rows);
   lib.def("q6_rows(Tensor qs, Tensor d, Tensor sc, Tensor m, Tensor ids) -> Tensor", &q6_rows);
+  lib.def("q6k_linear(Tensor x, Tensor qs, Tensor d, Tensor sc, Tensor m) -> Tensor", &q6k_linear);
+  lib.def("q6k_rows(Tensor qs, Tensor d, Tensor sc, Tensor m, Tensor ids) -> Tensor", &q6k_rows);
 }
