@@ -8,7 +8,7 @@ without a kernel (`no_kernel_warning`).
 | Q4_K               | 4.5              | q4k: nibbles, 6-bit sc and mn per 32, d and dmin (float16) per 256 | 4.625 |
 | Q5_0               | 5.5              | q8: int8 q - 16, d (float16) per 32        | 8.5                |
 | Q5_1, Q5_K         | 5.5-6            | q8m: int8 q, d and m per 32                | 10                 |
-| Q6_K               | 6.6              | q6: int8 q - 32, int8 sc per 16, d per 256 | 8.6                |
+| Q6_K               | 6.5625           | q6k: 6-bit q, int8 sc per 16, d (float16) per 256 | 6.5625      |
 | Q8_0               | 8.5              | q8: int8 q, d (float16) per 32             | 8.5                |
 | IQ*, Q2_K, Q3_K, TQ* and others | 1.6-4.5 | none: dequantized, then q8 by absmax per 32 (not exact) | 9 |
 """
@@ -20,7 +20,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 FORMS: dict[str, tuple[str, float]] = {
     "Q4_0": ("int4", 5.0), "Q4_1": ("int4", 5.0), "Q4_K": ("int4", 4.625),
     "Q5_0": ("int8", 8.5), "Q5_1": ("int8", 10.0), "Q5_K": ("int8", 10.0),
-    "Q6_K": ("int8", 8.625), "Q8_0": ("int8", 8.5),
+    "Q6_K": ("int8", 6.5625), "Q8_0": ("int8", 8.5),
 }
 INT4_BITS = 6.0  # any weight packed as int4: nibbles, d and m per 32
 INT8_BITS = 9.0  # any weight quantized to q8 blocks: int8, d per 32

@@ -1,12 +1,14 @@
-"""The 6-bit format: GGUF's Q6_K blocks, kept exactly for our CPU kernels (quant_k.cpp's q6; routes.py
+"""The 6-bit format: GGUF's Q6_K blocks, kept exactly for our CPU kernels (quant_k.cpp's q6k; routes.py
 picks the route). A Q6_K super-block (256 weights, 210 bytes: 4 low bits ql [128], 2 high bits qh [64],
-int8 scales sc [16], fp16 d) is `w = (d * sc_j) * (q - 32)` per 16 weights. Kept as int8 values q - 32,
-the int8 sc per 16 and d per 256 (fp32): 8.6 bits a weight (the file's 6.6); the kernel forms d * sc
-(exact in fp32) at run time.
+int8 scales sc [16], fp16 d) is `w = (d * sc_j) * (q - 32)` per 16 weights. Kept as the 6-bit values
+(a nibble plane and a 2-bit plane in the kernel's order, cpu_ops.pack_q6k), the int8 sc per 16 and the
+file's float16 d per 256: 6.5625 bits a weight, the file's own size; the kernel forms d * sc (exact in
+fp32) at run time.
 
-The same form with an offset m per block of 32 holds Q4_K's and Q5_K's sub-blocks exactly too
-(sc the 6-bit scale for both halves, d the super-block's, m = -dmin * mn): a merged qkv whose v is
-Q6_K and q, k Q4_K (the commonest mix in Q4_K_M files) stays exact (`q6_from_shards`), 9.6 bits a weight.
+The same form with an offset m per block of 32 (float32) holds Q4_K's and Q5_K's sub-blocks exactly too
+(their values 0..15 / 0..31 fit the 6 bits, sc the 6-bit scale for both halves, d the super-block's,
+m = -dmin * mn): a merged qkv whose v is Q6_K and q, k Q4_K (the commonest mix in Q4_K_M files) stays
+exact (`q6_from_shards`), 7.5625 bits a weight.
 On CUDA (Triton) and torch's CPU kernels Q6_K is requantized as before (q8.py).
 """
 
@@ -15,7 +17,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.weights.blocks import GROUP, SUPER, BlockShards, GGUFBlocks, block_tensor, f16_field, k_scale_min
+from engine.weights.blocks import (
+    GROUP,
+    SUPER,
+    BlockShards,
+    GGUFBlocks,
+    block_tensor,
+    exact_scales,
+    f16_field,
+    k_scale_min,
+)
 from engine.weights.packed import ROW_GROUP, BlockWeight
 from engine.weights.q4 import _q4_k
 from engine.weights.q5 import _q5_k
@@ -27,8 +38,8 @@ Parts = tuple[Tensor, Tensor, Tensor, Tensor | None]  # q int8 [out, in], d [out
 
 
 def q6_from_blocks(blocks: GGUFBlocks) -> Parts | None:
-    """Q6_K, Q4_K or Q5_K -> (int8 q, d float32 per 256, int8 sc per 16, m float32 per 32 or None for
-    Q6_K), `w = (d * sc) * q + m`, exact; None for other types."""
+    """Q6_K, Q4_K or Q5_K -> (int8 q, d float32 per 256 (the file's float16 values), int8 sc per 16, m float32
+    per 32 or None for Q6_K), `w = (d * sc) * q + m`, exact; None for other types."""
     out_f, in_f = blocks.shape
     if blocks.type_name not in K_EXACT:
         return None
@@ -61,17 +72,20 @@ def q6_from_shards(shards: BlockShards) -> Parts | None:
 
 
 class Q6Weight(BlockWeight):
-    """int8 values with an int8 scale per 16 weights times a scale per 256: w = (d * sc) * q (quant_k.cpp's
-    q6, GGUF's Q6_K). Kept in the kernel's order (cpu_ops.pack_q8, pack_scales, pack_sub_scales).
-    Q6MWeight adds an offset per block of 32 (Q4_K / Q5_K rows beside Q6_K ones); `of` picks."""
+    """6-bit values with an int8 scale per 16 weights times a float16 scale per 256: w = (d * sc) * q
+    (quant_k.cpp's q6k, GGUF's Q6_K). Kept in the kernel's order (cpu_ops.pack_q6k, pack_scales,
+    pack_sub_scales). Q6MWeight adds an offset per block of 32 (Q4_K / Q5_K rows beside Q6_K ones); `of` picks."""
 
     mode = "int8"
     names = ("qs", "d", "sc")
     m: Tensor | None = None
 
     def __init__(self, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None = None) -> None:
+        """qs int8 [out, in] in -32..31, d [out, in/256] (float16 values: the file's), sc int8 [out, in/16],
+        m float32 [out, in/32] or None."""
         self.shape = tuple(qs.shape)
-        self.qs, self.d, self.sc = cpu_ops.pack_q8(qs), cpu_ops.pack_scales(d), cpu_ops.pack_sub_scales(sc)
+        self.qs, self.sc = cpu_ops.pack_q6k(qs), cpu_ops.pack_sub_scales(sc)
+        self.d = cpu_ops.pack_scales(exact_scales(d, torch.float16))
         if m is not None:
             self.m = cpu_ops.pack_scales(m)
 
@@ -81,19 +95,19 @@ class Q6Weight(BlockWeight):
 
     @classmethod
     def allocate(cls, out_f: int, in_f: int) -> Q6Weight:
-        """Tensors of pack_q8's, pack_scales' and pack_sub_scales' shapes (the weight cache checks them)."""
+        """Tensors of pack_q6k's, pack_scales' and pack_sub_scales' shapes (the weight cache checks them)."""
         groups, blocks = -(-out_f // ROW_GROUP), in_f // GROUP
-        tensors = {"qs": torch.empty(out_f, in_f, dtype=torch.int8),
-                   "d": torch.empty(groups, in_f // SUPER, ROW_GROUP),
+        tensors = {"qs": torch.empty(out_f, in_f // 4 * 3, dtype=torch.uint8),
+                   "d": torch.empty(groups, in_f // SUPER, ROW_GROUP, dtype=torch.float16),
                    "sc": torch.empty(groups, blocks, 2, ROW_GROUP, dtype=torch.int8),
                    "m": torch.empty(groups, blocks, ROW_GROUP)}
         return cls.from_tensors((out_f, in_f), {k: tensors[k] for k in cls.names})
 
     def _matmul(self, x: Tensor) -> Tensor:
-        return cpu_ops.q6_linear(x, self.qs, self.d, self.sc, self.m)
+        return cpu_ops.q6k_linear(x, self.qs, self.d, self.sc, self.m)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        return cpu_ops.q6_rows(self.qs, self.d, self.sc, self.m, ids).to(dtype)
+        return cpu_ops.q6k_rows(self.qs, self.d, self.sc, self.m, ids).to(dtype)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors().values())

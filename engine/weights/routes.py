@@ -6,7 +6,8 @@ Two packed precisions, "int4" (q4.py) and "int8" (q5.py, q6.py, q8.py), each wit
 - **Our CPU kernels** (kernels/cpu/quant.cpp and quant_k.cpp, AVX2 / AVX-512, built at setup or first
   use): every GGUF block type with a kernel is multiplied from its own values, exactly: int4 `w = q * d
   + m` per block of 32 (Q4_0, Q4_1, Q4_K's sub-blocks); int8 q8 `w = q * d` (Q8_0, Q5_0), q8m
-  `w = q * d + m` (Q5_1, Q5_K), q6 `w = (d * sc) * q` per 16 (Q6_K; with m, any mix of K-quant shards).
+  `w = q * d + m` (Q5_1, Q5_K), q6k `w = (d * sc) * q` per 16 with 6-bit q (Q6_K; with m, any mix of
+  K-quant shards).
   Float weights are quantized (int8: by absmax per block of 32). Activations are quantized per block
   of 32 to int16 and every block dot product runs on integers, as llama.cpp does (with int8); the
   fp32 activations and results stay fp32 around it.
@@ -111,9 +112,9 @@ def pack(source: Source, mode: str, keep_rows: bool = False, device: torch.devic
 
 
 def exact_int8(source: Source) -> BlockWeight | None:
-    """Our CPU kernels' exact 8-bit form of GGUF blocks: Q8_0 and Q5_0 as q8, Q6_K as q6, Q5_1, Q5_K
-    (and Q4 types asked for as int8) as q8m; shards of mixed types as q8m or q6 where one holds them
-    all (Q4_K q, k and Q6_K v: q6). None for anything else (float, the types without a kernel)."""
+    """Our CPU kernels' exact 8-bit form of GGUF blocks: Q8_0 and Q5_0 as q8, Q6_K as q6k, Q5_1, Q5_K
+    (and Q4 types asked for as int8) as q8m; shards of mixed types as q8m or q6k where one holds them
+    all (Q4_K q, k and Q6_K v: q6k). None for anything else (float, the types without a kernel)."""
     if isinstance(source, GGUFBlocks):
         if (plain := q8_from_blocks(source) or q5_0_from_blocks(source)) is not None:
             return Q8HalfWeight(*plain)  # both keep the file's float16 scales

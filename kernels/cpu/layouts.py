@@ -39,16 +39,20 @@ def pack_q8(q: Tensor) -> Tensor:
 
 def pack_q6k(q: Tensor) -> Tensor:
     """int8 [N, K] in -32..31 (Q6_K's values; K a multiple of 256) -> q6k_linear's layout, uint8 [N, 3K/4]:
-    per run of 4 blocks of 32, q + 32's low nibbles as pack_q4 lays out blocks 0-1 and 2-3, then a unit of
-    their top two bits (16-bit lane j: block b's element j + 16h at bit 4b + 2h), the rows in groups of 8."""
+    per super-block of 8 blocks, 6 units of 16 16-bit lanes. Unit b < 6, lane j: block b's element j in
+    bits 10-15, j + 16 in bits 4-9 (6-bit two's complement); bits 0-3 of units 0, 1, 2 hold block 6's
+    element j's low 4 bits, element j + 16's, then both top 2 bits (units 3, 4, 5: block 7's). Rows in
+    groups of 8 (interleave_rows)."""
     n, k = q.shape
-    u = (q.to(torch.int16) + 32).to(torch.uint8).view(n, k // 128, 4, 2, 16)  # [row, span, block, half, j]
-    ggml = u[..., 0, :] & 0x0F | (u[..., 1, :] & 0x0F) << 4  # GGML-order bytes [row, span, block, 16]
-    pairs = ggml.view(n, k // 128, 2, 2, 16).transpose(-1, -2).reshape(n, k // 128, 64)
-    shifts = (4 * torch.arange(4)[:, None] + 2 * torch.arange(2)).view(4, 2, 1)
-    lanes = ((u >> 4).to(torch.int32) << shifts).sum(dim=(2, 3))  # disjoint bits: the sum is their OR
-    top = torch.stack((lanes & 0xFF, lanes >> 8), dim=-1).to(torch.uint8).view(n, k // 128, 32)  # little-endian
-    return interleave_rows(torch.cat((pairs, top), dim=-1).view(n, k // 4 * 3))
+    v = (q.to(torch.int32) & 63).view(n, k // 256, 8, 2, 16)  # [row, super-block, block, half, j]
+    lanes = v[:, :, :6, 0] << 10 | v[:, :, :6, 1] << 4  # [row, super, unit, j]
+    for u, block in ((0, 6), (3, 7)):
+        first, second = v[:, :, block, 0], v[:, :, block, 1]
+        lanes[:, :, u] |= first & 15
+        lanes[:, :, u + 1] |= second & 15
+        lanes[:, :, u + 2] |= first >> 4 | (second >> 4) << 2
+    units = torch.stack((lanes & 0xFF, lanes >> 8), dim=-1).to(torch.uint8)  # little-endian
+    return interleave_rows(units.view(n, k // 4 * 3))
 
 
 def pack_scales(d: Tensor) -> Tensor:

@@ -23,6 +23,10 @@
 #define ROSECHAT_AVX512 1
 #endif
 
+// For a format's widen: GCC left q6k's (two loads, a dozen operations) a call, spilling the tile's sums
+// around each, 5x slower
+#define ROSECHAT_ALWAYS_INLINE inline __attribute__((always_inline))
+
 namespace rosechat::quant {
 
 constexpr int64_t kBlock = 32;
@@ -135,7 +139,7 @@ struct Rows {
 
 // q4's nibbles (quant.cpp's layout: a 32-byte unit holds a pair of blocks, 16-bit lane j byte j of each,
 // element j in the low nibble, j + 16 in the high) widened: block b % 2's elements j to lo, j + 16 to hi
-inline void widen_nibbles(const uint8_t* unit, int64_t b, __m256i& lo, __m256i& hi) {
+ROSECHAT_ALWAYS_INLINE void widen_nibbles(const uint8_t* unit, int64_t b, __m256i& lo, __m256i& hi) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit));
   const __m256i low = _mm256_set1_epi16(0x0F);
   if (b % 2 == 0) {  // the pair's first block: the low byte of every lane
