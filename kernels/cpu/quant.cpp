@@ -41,7 +41,15 @@ struct Q4 : Rows {
   const S *d, *m;
   int64_t nb;
   static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
-    widen_nibbles(row + b / 2 * stride, b, lo, hi);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b / 2 * stride));
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    if (b % 2 == 0) {  // the pair's first block: the low byte of every lane
+      lo = _mm256_and_si256(v, low);
+      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    } else {
+      lo = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
+      hi = _mm256_srli_epi16(v, 12);
+    }
   }
   template <int R>
   __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return block_lanes<R>(d, nb, o, b, w_index); }

@@ -23,8 +23,8 @@
 #define ROSECHAT_AVX512 1
 #endif
 
-// For a format's widen: GCC left q6k's (two loads, a dozen operations) a call, spilling the tile's sums
-// around each, 5x slower
+// For a format's widen: GCC left q6k's (two branches, up to 3 loads) a call, the tile's sums spilled
+// around each: 5x slower
 #define ROSECHAT_ALWAYS_INLINE inline __attribute__((always_inline))
 
 namespace rosechat::quant {
@@ -137,20 +137,6 @@ struct Rows {
   const uint8_t* row(int64_t r) const { return q + r / kLanes * kLanes * row_bytes + r % kLanes * 32; }
 };
 
-// q4's nibbles (quant.cpp's layout: a 32-byte unit holds a pair of blocks, 16-bit lane j byte j of each,
-// element j in the low nibble, j + 16 in the high) widened: block b % 2's elements j to lo, j + 16 to hi
-ROSECHAT_ALWAYS_INLINE void widen_nibbles(const uint8_t* unit, int64_t b, __m256i& lo, __m256i& hi) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit));
-  const __m256i low = _mm256_set1_epi16(0x0F);
-  if (b % 2 == 0) {  // the pair's first block: the low byte of every lane
-    lo = _mm256_and_si256(v, low);
-    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-  } else {
-    lo = _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
-    hi = _mm256_srli_epi16(v, 12);
-  }
-}
-
 // Block scales are float32, or float16 (its raw bits, uint16_t) where the file's own are (GGUF Q4_0,
 // Q4_1, Q8_0: exact): a q4 block then streams 20 bytes, as in the file, not 24. F16C converts 8 at once.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -230,7 +216,7 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, flo
   for (int64_t b = 0; b < nb; ++b) {
     const int16_t* xb = x + b * xq.rows * kBlock;  // block b of x row r0, row r0 + t 32 values on
     if constexpr (T == 1) {  // a group's unit kPrefetch bytes on (wider tiles revisit units: no need)
-      // a span of kSpanBlocks blocks takes kSpanUnits units (q6k: 4 blocks, 3 units): its first blocks fetch them
+      // a span of kSpanBlocks blocks takes kSpanUnits units (q6k: 8 blocks, 6 units): its first blocks fetch them
       if (b % W::kSpanBlocks < W::kSpanUnits) {
         const int64_t u = b / W::kSpanBlocks * W::kSpanUnits + b % W::kSpanBlocks;
         const char* unit = reinterpret_cast<const char*>(rows[0] + u * stride);

@@ -1,4 +1,4 @@
-// GGUF's 5- and 6-bit blocks multiplied from their own values, exactly (quant.cpp's q8 layout, int8):
+// GGUF's 5- and 6-bit blocks multiplied from their own values, exactly (q8m, q6: quant.cpp's q8 layout, int8):
 //
 //   q8m: w = q * d + m per block of 32, q in 0..31: Q5_1, and Q5_K's 32-weight sub-blocks
 //        (d = d_super * sc, m = -dmin_super * mn, both exact in float32). The offset term is q4's:
