@@ -74,7 +74,7 @@ def test_each_block_type_is_kept_exactly(type_name: str) -> None:
     assert packed.nbytes() == formats.resident_bytes(type_name, ref.numel())
     if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q6_K", "Q8_0"):  # the file's float16 scales, kept as they are
         assert packed.d.dtype == torch.float16
-    if type_name in ("Q4_1", "Q6_K", "Q8_0"):  # the file's own bytes, rearranged (Q4_0 adds its offsets, Q5_0 a byte a weight)
+    if type_name in ("Q4_1", "Q6_K", "Q8_0"):  # the file's bytes, rearranged (Q4_0 adds offsets, Q5_0 a byte a weight)
         assert packed.nbytes() == formats.file_bytes(type_name, ref.numel())
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 7):  # a decode step, a prefill chunk
