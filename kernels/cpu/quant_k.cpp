@@ -131,13 +131,13 @@ Q6 q6_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
 
 // qs uint8 [N, 3K/4] (cpu_ops.pack_q6k), d float16 [ceil(N/8), K/256, 8], sc as q6's
 Q6K q6k_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % 192 == 0,
+  ROSECHAT_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % 192 == 0,
               "q6k weight: contiguous uint8 [N, 3K/4] (cpu_ops.pack_q6k), K a multiple of 256");
   const int64_t n = qs.size(0), nb = qs.size(1) / 24, groups = (n + 7) / 8;
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 3 && d.size(0) == groups &&
+  ROSECHAT_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 3 && d.size(0) == groups &&
                   d.size(1) == nb / 8 && d.size(2) == kLanes,
               "q6k super-block scales: contiguous float16 [ceil(N/8), K/256, 8] (cpu_ops.pack_scales)");
-  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == groups &&
+  ROSECHAT_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == groups &&
                   sc.size(1) == nb && sc.size(2) == 2 && sc.size(3) == kLanes,
               "q6k sub-scales: contiguous int8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales)");
   return Q6K{Rows{qs.data_ptr<uint8_t>(), n, qs.size(1)}, static_cast<const uint16_t*>(d.data_ptr()),
