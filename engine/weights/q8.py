@@ -17,6 +17,7 @@ from torch import Tensor
 from engine.weights.blocks import GROUP, GGUFBlocks, block_view, exact_scales, f16_field
 from engine.weights.packed import COMPUTE_DTYPE, ROW_GROUP, BlockWeight, PackedWeight
 from kernels.cpu import ops as cpu_ops
+from kernels.cpu import repack as cpu_repack
 
 _CHUNK_ROWS = 4096  # rows requantized at a time
 # GGUF block types that map exactly onto the 8-bit blocks, by name (gguf.GGMLQuantizationType)
@@ -72,6 +73,10 @@ class Q8Weight(BlockWeight):
             "d": torch.empty(-(-out_f // ROW_GROUP), in_f // GROUP, ROW_GROUP, dtype=cls.scale_dtype)})
 
     def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
+        if isinstance(source, GGUFBlocks) and source.type_name == "Q8_0" and cpu_repack.available():
+            n, g0 = source.shape[0], r0 // ROW_GROUP  # one pass (the copies below move single bytes)
+            cpu_repack.q8(block_view(source, 34), self.qs[r0 : r0 + n], self.d[g0 : g0 - (-n // ROW_GROUP)])
+            return
         if isinstance(source, GGUFBlocks) and source.type_name == "Q8_0" and source.shape[0] % ROW_GROUP == 0:
             # straight from the file's bytes into pack_q8's and pack_scales' layouts, one strided copy each
             data = block_view(source, 34)
