@@ -171,6 +171,10 @@ class GGUFModel:
         """(config, tokenizer) as transformers converts them, once per file (gguf_config.py)."""
         return gguf_config.config_and_tokenizer(self, ARCHITECTURES[self.arch], say)
 
+    def config_then_tokenizer(self, say: Callable[[str], None] = lambda _: None) -> tuple[Any, Callable[[], Any]]:
+        """(config, a function returning the tokenizer): a first load converts it in a thread meanwhile."""
+        return gguf_config.config_then_tokenizer(self, ARCHITECTURES[self.arch], say)
+
     def eos_token_ids(self) -> list[int]:
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         return [int(v) for k in keys if (v := self.field(k)) is not None]

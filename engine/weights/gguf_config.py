@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,15 @@ def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], Non
                          ) -> tuple[Any, Any]:  # fmt: skip
     """(config, tokenizer), converted once per file (gguf_meta.py, else transformers' GGUF reading) and then
     read back from a cache folder."""
+    config, tokenizer = config_then_tokenizer(model, architecture, say)
+    return config, tokenizer()
+
+
+def config_then_tokenizer(model: Any, architecture: str, say: Callable[[str], None] = lambda _: None
+                          ) -> tuple[Any, Callable[[], Any]]:  # fmt: skip
+    """(config, a function returning the tokenizer), as config_and_tokenizer. A first load converts the
+    tokenizer and fills the cache folder in a thread while the caller goes on (a cold load repacks its
+    weights meanwhile, in C++ that releases the GIL: a 1.7B load hid its ~1.5 s of tokenizer there)."""
     from transformers import PreTrainedTokenizerFast
 
     folder = _cache_folder(model.path)
@@ -106,24 +116,61 @@ def config_and_tokenizer(model: Any, architecture: str, say: Callable[[str], Non
         try:
             # tokenizer.json as saved, through the generic fast class: a model's own tokenizer class may
             # rebuild it from pieces a GGUF conversion does not save (Gemma's fails on its unk token)
-            return _read_config(folder / _FULL_CONFIG), PreTrainedTokenizerFast.from_pretrained(folder)
+            config, tokenizer = _read_config(folder / _FULL_CONFIG), PreTrainedTokenizerFast.from_pretrained(folder)
+            return config, lambda: tokenizer
         except Exception:  # a damaged cache: convert again
             shutil.rmtree(folder, ignore_errors=True)
     say("converting the tokenizer")
     config = load_config(model, architecture)
-    tokenizer = load_tokenizer(model, config)
-    if folder is not None:
-        tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-        try:
+    tmp = None if folder is None else folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    if tmp is not None:
+        try:  # here, not in the thread: the caller may set attributes on the config as it builds the model
             config.save_pretrained(tmp)
             full = {**config.to_dict(), _ALIASES: dict(type(config).attribute_map)}
             (tmp / _FULL_CONFIG).write_text(json.dumps(full, indent=1, default=str))
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = None
+    return config, _in_thread(lambda: _convert_tokenizer(model, config, folder, tmp))
+
+
+def _convert_tokenizer(model: Any, config: Any, folder: Path | None, tmp: Path | None) -> Any:
+    try:
+        tokenizer = load_tokenizer(model, config)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if folder is not None and tmp is not None:
+        try:
             tokenizer.save_pretrained(tmp)
             _list_added_tokens(tmp)
             os.replace(tmp, folder)  # whole or not at all, also with two rosechats starting
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
-    return config, tokenizer
+    return tokenizer
+
+
+def _in_thread(work: Callable[[], Any]) -> Callable[[], Any]:
+    """Run `work` in a thread now; the function returned waits for its result (or raises its exception)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = work()
+        except BaseException as e:  # handed to the caller, raised where it waits
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name="rosechat-tokenizer", daemon=True)
+    thread.start()
+
+    def wait() -> Any:
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    return wait
 
 
 def _list_added_tokens(folder: Path) -> None:
@@ -171,4 +218,4 @@ def _cache_folder(path: Path) -> Path | None:
     return root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-__all__ = ["cache_root", "config_and_tokenizer", "load_config", "load_tokenizer"]
+__all__ = ["cache_root", "config_and_tokenizer", "config_then_tokenizer", "load_config", "load_tokenizer"]

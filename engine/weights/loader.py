@@ -166,7 +166,7 @@ def _load_gguf(
         say("reading the file")
     gguf = source.gguf or GGUFModel(source.path)
     check_gguf_fits(gguf, quantization, d.torch_dtype.itemsize, str(device))  # before anything large is allocated
-    config, tokenizer = gguf.config_and_tokenizer(say)
+    config, tokenizer_of = gguf.config_then_tokenizer(say)  # a first load converts the tokenizer meanwhile
     if quantization == "none":  # dequantized to dense weights: bfloat16 may be worth it on this CPU
         d = _probe_dtype(d, config, say)
     dtype = d.torch_dtype
@@ -191,6 +191,7 @@ def _load_gguf(
         except ValueError as e:
             raise WeightLoadError(f"{source.path.name}: rope_freqs.weight does not fit: {e}") from e
     net.eval()
+    tokenizer = tokenizer_of()
     eos = [i for i in [*gguf.eos_token_ids(), tokenizer.eos_token_id] if i is not None]
     loaded = _loaded(net, config, tokenizer, source.display_name, False, list(dict.fromkeys(eos)))
     loaded.generation_defaults = gguf.sampling_defaults()

@@ -72,6 +72,11 @@ class BlockWeight(PackedWeight):
         """An unfilled weight of shape [out_f, in_f]: its tensors allocated, written by `write_rows`."""
         raise NotImplementedError
 
+    def one_pass(self, source: Tensor | GGUFBlocks) -> bool:
+        """Whether write_rows packs `source` with no temporaries (kernels/cpu/repack.cpp): rowpack.fill_rows
+        then hands it over whole, in one call, rather than by chunks of rows."""
+        return False
+
     def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
         """Pack rows r0.. of the matrix (`source`, dense or blocks) into place. r0 is a multiple of
         ROW_GROUP, and so is the number of rows unless they end the matrix: the kernels' layout keeps

@@ -109,6 +109,9 @@ class Q4Weight(BlockWeight):
             "d": torch.empty(groups, blocks, ROW_GROUP, dtype=cls.scale_dtype),
             "m": torch.empty(groups, blocks, ROW_GROUP, dtype=cls.scale_dtype)})
 
+    def one_pass(self, source: Tensor | GGUFBlocks) -> bool:
+        return _repacked(source, ("Q4_0", "Q4_1"))
+
     def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
         if _write_q4_blocks(self, r0, source):
             return
@@ -150,11 +153,14 @@ class Q4KWeight(BlockWeight):
             "d": torch.empty(groups, in_f // SUPER, 2, ROW_GROUP, dtype=torch.float16),
             "sc": torch.empty(groups, in_f // GROUP, 2, ROW_GROUP, dtype=torch.uint8)})
 
+    def one_pass(self, source: Tensor | GGUFBlocks) -> bool:
+        return _repacked(source, ("Q4_K",))
+
     def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
         if not isinstance(source, GGUFBlocks) or source.type_name != "Q4_K":
             raise ValueError(f"a Q4_K weight packs Q4_K blocks, not {getattr(source, 'type_name', 'floats')}")
         g0, groups = r0 // ROW_GROUP, -(-source.shape[0] // ROW_GROUP)
-        if cpu_repack.available():  # one pass from the file's bytes (q4k_parts below makes four)
+        if _repacked(source, ("Q4_K",)):  # one pass from the file's bytes (q4k_parts below makes four)
             n = source.shape[0]
             cpu_repack.q4k(block_view(source, 144), self.qs[r0 : r0 + n], self.d[g0 : g0 + groups],
                            self.sc[g0 : g0 + groups])
@@ -192,6 +198,11 @@ class Q4HalfWeight(Q4Weight):
     scale_dtype = torch.float16
 
 
+def _repacked(source: Tensor | GGUFBlocks, types: tuple[str, ...]) -> bool:
+    """Whether repack.cpp packs `source`: GGUF blocks of `types`, our kernels loaded."""
+    return isinstance(source, GGUFBlocks) and source.type_name in types and cpu_repack.available()
+
+
 def _write_q4_blocks(weight: Q4Weight, r0: int, source: Tensor | GGUFBlocks) -> bool:
     """Q4_0 / Q4_1 rows in whole groups of 8 (and blocks in pairs) straight from the file's bytes into
     pack_q4's and pack_scales' layouts, one strided copy each (what they do in several passes);
@@ -199,7 +210,7 @@ def _write_q4_blocks(weight: Q4Weight, r0: int, source: Tensor | GGUFBlocks) -> 
     if not isinstance(source, GGUFBlocks) or source.type_name not in ("Q4_0", "Q4_1"):
         return False
     n, blocks = source.shape[0], source.shape[1] // GROUP
-    if cpu_repack.available():  # any rows and blocks, one pass (the copies below move single bytes: 3x slower)
+    if _repacked(source, ("Q4_0", "Q4_1")):  # any rows and blocks, one pass (the copies below: single bytes)
         g0, groups = r0 // ROW_GROUP, -(-n // ROW_GROUP)
         d, m = weight.d[g0 : g0 + groups], weight.m[g0 : g0 + groups]
         cpu_repack.q4(block_view(source, 18 if source.type_name == "Q4_0" else 20), weight.qs[r0 : r0 + n], d, m)

@@ -72,8 +72,11 @@ class Q8Weight(BlockWeight):
             "qs": cls.advise_huge_pages(torch.empty(out_f, in_f, dtype=torch.int8)),
             "d": torch.empty(-(-out_f // ROW_GROUP), in_f // GROUP, ROW_GROUP, dtype=cls.scale_dtype)})
 
+    def one_pass(self, source: Tensor | GGUFBlocks) -> bool:
+        return isinstance(source, GGUFBlocks) and source.type_name == "Q8_0" and cpu_repack.available()
+
     def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
-        if isinstance(source, GGUFBlocks) and source.type_name == "Q8_0" and cpu_repack.available():
+        if self.one_pass(source):
             n, g0 = source.shape[0], r0 // ROW_GROUP  # one pass (the copies below move single bytes)
             cpu_repack.q8(block_view(source, 34), self.qs[r0 : r0 + n], self.d[g0 : g0 - (-n // ROW_GROUP)])
             return

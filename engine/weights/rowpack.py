@@ -64,7 +64,8 @@ def fill_rows(weight: BlockWeight, r0: int, source: Tensor | GGUFBlocks) -> None
     if r0 % ROW_GROUP:
         raise ValueError(f"rows from {r0} do not start a group of {ROW_GROUP}")
     with torch.no_grad():
-        for start, end in row_chunks(int(source.shape[0])):
+        rows = int(source.shape[0])
+        for start, end in row_chunks(rows, max(rows, 1) if weight.one_pass(source) else CHUNK_ROWS):
             part = source.rows(slice(start, end)) if isinstance(source, GGUFBlocks) else source[start:end]
             weight.write_rows(r0 + start, part)
 
