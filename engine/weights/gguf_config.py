@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine.weights.heap import release_freed_memory
+
 _CACHE_VERSION = 4  # bump when what the cache holds changes (3: rosechat_config.json; 4: added_tokens_decoder)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # Gemma's architectures, and their 27B models' depth
 
@@ -148,6 +150,7 @@ def _convert_tokenizer(model: Any, config: Any, folder: Path | None, tmp: Path |
             os.replace(tmp, folder)  # whole or not at all, also with two rosechats starting
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
+    release_freed_memory()  # the conversion's temporaries, freed in this thread's own malloc arena
     return tokenizer
 
 

@@ -29,8 +29,9 @@ from engine.models import get_model_class
 from engine.weights.cache import WeightCache
 from engine.weights.checkpoint import WeightLoadError, load_weights
 from engine.weights.gguf import GGUFModel, drop_mapped_pages
+from engine.weights.heap import release_freed_memory
 from engine.weights.memory import check_gguf_fits
-from engine.weights.packing import check_packing, packable_modules, plan_packing, release_freed_memory, swap_in_packed
+from engine.weights.packing import check_packing, packable_modules, plan_packing, swap_in_packed
 from engine.weights.routes import kernels_available, route
 from engine.weights.source import ModelSource, generation_defaults, resolve_model
 from kernels.cpu import ops as cpu_ops

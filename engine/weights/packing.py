@@ -231,19 +231,6 @@ def plan_packing(
 
 
 # ---------------------------------------------------------------------------------- after loading
-def release_freed_memory() -> None:
-    """Hand memory freed during packing (the int32 and fp32 temporaries) back to the OS: glibc
-    keeps freed heap pages otherwise, and they count as resident."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
-
-
 def packed_bytes(model: nn.Module) -> int:
     return sum(m.weight.nbytes() for m in packed_modules(model).values() if m.weight is not None)
 
@@ -272,6 +259,5 @@ __all__ = [
     "packed_bytes",
     "packed_modules",
     "plan_packing",
-    "release_freed_memory",
     "swap_in_packed",
 ]

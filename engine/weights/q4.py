@@ -215,7 +215,8 @@ def _write_q4_blocks(weight: Q4Weight, r0: int, source: Tensor | GGUFBlocks) -> 
         d, m = weight.d[g0 : g0 + groups], weight.m[g0 : g0 + groups]
         cpu_repack.q4(block_view(source, 18 if source.type_name == "Q4_0" else 20), weight.qs[r0 : r0 + n], d, m)
         if source.type_name == "Q4_0" and bool((m.isinf() & d.isfinite()).any()):  # -8d past float16's range
-            raise ValueError(f"block scales do not fit {weight.scale_dtype} exactly (largest {d.abs().max().item():g})")
+            largest = 8 * d.float().abs().max().item()  # as exact_scales says it
+            raise ValueError(f"block scales do not fit {weight.scale_dtype} exactly (largest {largest:g})")
         return True
     if n % ROW_GROUP or blocks % 2:
         return False
