@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "check.h"
 #include "pool.h"
 
 #include <cstring>
@@ -30,12 +31,12 @@ inline float half_at(const uint8_t* p) {
 }
 
 void check_src(const at::Tensor& src, int64_t block_bytes) {
-  TORCH_CHECK(src.scalar_type() == at::kByte && src.dim() == 3 && src.is_contiguous() && src.size(2) == block_bytes,
+  ROSECHAT_CHECK(src.scalar_type() == at::kByte && src.dim() == 3 && src.is_contiguous() && src.size(2) == block_bytes,
               "src must be contiguous uint8 [rows, blocks, ", block_bytes, "]");
 }
 
 void check_out(const at::Tensor& t, int64_t numel, const char* what) {
-  TORCH_CHECK(t.is_contiguous() && t.numel() == numel, what, " must be contiguous with ", numel, " elements");
+  ROSECHAT_CHECK(t.is_contiguous() && t.numel() == numel, what, " must be contiguous with ", numel, " elements");
 }
 
 // f(group, first row, rows in it) for each row group of n rows, split between the threads
@@ -68,11 +69,11 @@ void scales(const at::Tensor& src, const at::Tensor& out, int64_t at, float fact
 
 // Q4_0 (block 18 bytes: d, 16 of nibbles; m = -8d) and Q4_1 (20: d, m, nibbles) -> q4's qs, d, m
 void repack_q4(const at::Tensor& src, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(src.dim() == 3 && (src.size(2) == 18 || src.size(2) == 20), "src must be Q4_0 or Q4_1 blocks");
+  ROSECHAT_CHECK(src.dim() == 3 && (src.size(2) == 18 || src.size(2) == 20), "src must be Q4_0 or Q4_1 blocks");
   const int64_t bytes = src.size(2), first = bytes - 16;
   check_src(src, bytes);
   const int64_t n = src.size(0), nb = src.size(1), units = (nb + 1) / 2;
-  TORCH_CHECK(qs.scalar_type() == at::kByte && d.scalar_type() == m.scalar_type(), "qs uint8, d and m alike");
+  ROSECHAT_CHECK(qs.scalar_type() == at::kByte && d.scalar_type() == m.scalar_type(), "qs uint8, d and m alike");
   check_out(qs, n * units * kUnit, "qs");
   const uint8_t* s = src.data_ptr<uint8_t>();
   uint8_t* out = qs.data_ptr<uint8_t>();
@@ -99,7 +100,7 @@ void repack_q4(const at::Tensor& src, const at::Tensor& qs, const at::Tensor& d,
 void repack_q8(const at::Tensor& src, const at::Tensor& qs, const at::Tensor& d) {
   check_src(src, 34);
   const int64_t n = src.size(0), nb = src.size(1);
-  TORCH_CHECK(qs.scalar_type() == at::kChar, "qs int8");
+  ROSECHAT_CHECK(qs.scalar_type() == at::kChar, "qs int8");
   check_out(qs, n * nb * kUnit, "qs");
   const uint8_t* s = src.data_ptr<uint8_t>();
   uint8_t* out = reinterpret_cast<uint8_t*>(qs.data_ptr<int8_t>());
@@ -122,7 +123,7 @@ void repack_q4k(const at::Tensor& src, const at::Tensor& qs, const at::Tensor& d
   check_src(src, 144);
   const int64_t n = src.size(0), supers = src.size(1), units = supers * 4;
   const int64_t groups = (n + kRows - 1) / kRows;
-  TORCH_CHECK(qs.scalar_type() == at::kByte && dd.scalar_type() == at::kHalf && sc.scalar_type() == at::kByte,
+  ROSECHAT_CHECK(qs.scalar_type() == at::kByte && dd.scalar_type() == at::kHalf && sc.scalar_type() == at::kByte,
               "qs uint8, dd float16, sc uint8");
   check_out(qs, n * units * kUnit, "qs");
   check_out(dd, groups * supers * 2 * kRows, "dd");
