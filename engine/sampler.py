@@ -3,7 +3,7 @@
 one uniform u per row (from the row's own generator when seeded) picks the token where the kept tokens'
 running weight, in vocabulary order, passes u times their total.
 
-On the CPU one C++ call does it all (kernels/cpu/layers.cpp: sample_rows, no sort of the vocabulary, no
+On the CPU one C++ call does it all (kernels/cpu/sample.cpp: sample_rows, no sort of the vocabulary, no
 random number per token), so any setting costs about what greedy does; elsewhere (CUDA, no kernels) the
 same stages run as torch ops, a stage only when some row needs it."""
 

@@ -1,7 +1,7 @@
 """Our CPU kernels: quantized linears (quant.cpp, quant_k.cpp: q4, q4k, q8, q8m, q6, q6k blocks of 32, the
 layouts described there), the fused small layers of a decode step (layers.cpp: RMSNorm, RoPE, SiLU * up,
-the K/V write, one-query paged attention, sampling), a whole Llama decode step (decode.cpp) and a load's
-repack of GGUF blocks into these layouts (repack.cpp; kernels/cpu/repack.py).
+the K/V write, one-query paged attention), sampling (sample.cpp), a whole Llama decode step (decode.cpp)
+and a load's repack of GGUF blocks into these layouts (repack.cpp; kernels/cpu/repack.py).
 
 Each ISA variant (kernels/cpu/isa.py) is built when the package is installed (setup.py: one extension
 module per variant, beside this file) and loaded from there when its embedded source key matches these
@@ -35,8 +35,9 @@ from kernels.cpu.layouts import (  # noqa: F401 (the packers, here for the calle
 )
 
 BLOCK = 32
-_SOURCES = [Path(__file__).with_name(f) for f in ("quant.cpp", "quant_k.cpp", "layers.cpp", "decode.cpp", "repack.cpp")]
-_HEADERS = [Path(__file__).with_name(f) for f in ("quant.h", "pool.h", "check.h")]
+_SOURCES = [Path(__file__).with_name(f)
+            for f in ("quant.cpp", "quant_k.cpp", "layers.cpp", "sample.cpp", "decode.cpp", "repack.cpp")]
+_HEADERS = [Path(__file__).with_name(f) for f in ("quant.h", "pool.h", "check.h", "vec.h")]
 log = logging.getLogger(__name__)
 
 
