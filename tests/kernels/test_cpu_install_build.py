@@ -162,3 +162,25 @@ def test_an_install_that_cannot_compile_the_kernels_still_succeeds(tmp_path: Pat
         assert said == [f"rosechat: no C++ compiler ({fake}): the CPU kernels are not built at install; the first "
                         "use tries again, else torch's own kernels run"]
     assert not list(tmp_path.glob("lib/**/*.so"))
+
+
+def test_a_build_environment_without_torch_builds_no_kernels_and_says_so(tmp_path: Path) -> None:
+    """An isolated build (`pip install .` without --no-build-isolation) has no torch: torch is no build
+    requirement (it would fetch the newest, a CUDA build of gigabytes, and compile against a torch that does
+    not run), so the install builds no kernels, says so, and the first use builds them."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert not [r for r in requires if r.split(">")[0].split("=")[0].strip() == "torch"], requires
+    (tmp_path / "torch.py").write_text('raise ImportError("No module named \'torch\'")\n')
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    out = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                          "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = "rosechat: CPU kernels not built at install (No module named 'torch'): the first use builds them"
+    assert said in out.stderr
+    assert not list(tmp_path.glob("lib/**/*.so"))
