@@ -89,6 +89,12 @@ for rows in (1, 2, 3, 4, 7, 8, 9, 17):  # every tile shape: x rows in 8s, 4s, 2s
             q6k = (cpu_ops.pack_q6k(q8 // 4), cpu_ops.pack_scales(d[:, : k // 256].half()), q6[2])
             out[f"q6k {rows} {k} {n}"] = cpu_ops.q6k_linear(x, *q6k)
             out[f"q6km {rows} {k} {n}"] = cpu_ops.q6k_linear(x, *q6k, cpu_ops.pack_scales(m))
+rows, vocab = 64, 5000  # sampling: every stage on, rows drawn at spread-out uniforms
+f = lambda lo, hi: lo + (hi - lo) * torch.rand(rows, generator=gen)
+seen = torch.randint(0, vocab, (rows * 4,), generator=gen)
+out["sample"] = cpu_ops.sample_rows(torch.randn(rows, vocab, generator=gen) * 4, seen, torch.arange(rows + 1) * 4,
+                                    f(1.0, 1.3), f(0.2, 1.5), torch.randint(0, 60, (rows,), generator=gen),
+                                    f(0.5, 1.0), f(0.0, 0.1), torch.rand(rows, generator=gen, dtype=torch.float64))
 torch.save(out, sys.argv[1])
 """
 
@@ -130,8 +136,9 @@ def test_the_kernel_tests_pass_on_every_isa_variant(isa: str) -> None:
     kernel tests run again here, forced onto each other variant this CPU can run."""
     _skip_unless_runnable(isa)
     env = {**os.environ, "ROSECHAT_CPU_ISA": isa}
-    tests = [str(ROOT / "tests/kernels" / f) for f in ("test_cpu_quant.py", "test_cpu_quant_k.py",
-                                                                 "test_cpu_layers.py")]
+    tests = [str(ROOT / f) for f in ("tests/kernels/test_cpu_quant.py", "tests/kernels/test_cpu_quant_k.py",
+                                     "tests/kernels/test_cpu_layers.py", "tests/kernels/test_cpu_repack.py",
+                                     "tests/engine/test_sampler.py")]
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *tests],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
