@@ -11,6 +11,7 @@ sources, flags and torch; otherwise it is built at first use, once, into a direc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.machinery
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from kernels.cpu import isa as cpu_isa
+from kernels.cpu import tiles as cpu_tiles
 from kernels.cpu.layouts import (  # noqa: F401 (the packers, here for the callers of cpu_ops)
     interleave_rows,
     pack_q4,
@@ -37,7 +39,7 @@ from kernels.cpu.layouts import (  # noqa: F401 (the packers, here for the calle
 BLOCK = 32
 _SOURCES = [Path(__file__).with_name(f)
             for f in ("quant.cpp", "quant_k.cpp", "layers.cpp", "sample.cpp", "decode.cpp", "repack.cpp")]
-_HEADERS = [Path(__file__).with_name(f) for f in ("quant.h", "pool.h", "check.h", "vec.h")]
+_HEADERS = [Path(__file__).with_name(f) for f in ("quant.h", "tile.h", "pool.h", "check.h", "vec.h")]
 log = logging.getLogger(__name__)
 
 
@@ -145,6 +147,12 @@ def _build_once() -> str | None:
             failed.append(f"{candidate.isa}: {text.splitlines()[-1] if text else type(exc).__name__}")
             log.warning("could not build the %s CPU kernels (%s)", candidate.isa, failed[-1])
             continue
+        try:
+            tiles = cpu_tiles.choose(candidate.isa)
+        except ValueError as e:  # ROSECHAT_CPU_TILES set to what this variant cannot run
+            return str(e)
+        if tiles:
+            candidate = dataclasses.replace(candidate, reason=f"{candidate.reason}, {tiles}")
         _running, _loaded_from = candidate, path
         log.info("CPU kernels: %s, from %s", candidate.reason, path)
         return None

@@ -29,7 +29,7 @@
 // through pool.h, so it honours torch.set_num_threads.
 #include <torch/library.h>
 
-#include "quant.h"
+#include "tile.h"
 
 namespace {
 
@@ -51,6 +51,19 @@ struct Q4 : Rows {
       hi = _mm256_srli_epi16(v, 12);
     }
   }
+#ifdef ROSECHAT_AVX512
+  static inline void widen512(const uint8_t* row, int64_t stride, int64_t b, __m512i& lo, __m512i& hi) {
+    const __m512i v = _mm512_loadu_si512(row + b / 2 * stride);
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    if (b % 2 == 0) {
+      lo = _mm512_and_si512(v, low);
+      hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    } else {
+      lo = _mm512_and_si512(_mm512_srli_epi16(v, 8), low);
+      hi = _mm512_srli_epi16(v, 12);
+    }
+  }
+#endif
   template <int R>
   __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return block_lanes<R>(d, nb, o, b, w_index); }
   template <int R>
@@ -85,6 +98,11 @@ struct Q4K : Rows {
   static inline void widen(const uint8_t* row, int64_t stride, int64_t b, __m256i& lo, __m256i& hi) {
     Q4<float>::widen(row, stride, b, lo, hi);
   }
+#ifdef ROSECHAT_AVX512
+  static inline void widen512(const uint8_t* row, int64_t stride, int64_t b, __m512i& lo, __m512i& hi) {
+    Q4<float>::widen512(row, stride, b, lo, hi);
+  }
+#endif
   // d * sc (which = 0) or -(dmin * mn) (1) of block b for rows o..o+R in the tile's lanes: R = 1 (a
   // prefill's tiles) forms its one row's product; others the group's 8, then picks (the same floats)
   template <int R>
@@ -217,7 +235,17 @@ at::Tensor q8_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
 
 }  // namespace
 
+// mode 256 or 512: one-row tiles on 256- or 512-bit vectors (512 only in the avx512 variant); any other
+// value leaves them. Returns the width now in use.
+int64_t tile_bits(int64_t mode) {
+#ifdef ROSECHAT_AVX512
+  if (mode == 256 || mode == 512) wide_tiles_flag().store(mode == 512);
+#endif
+  return wide_tiles_flag().load() ? 512 : 256;
+}
+
 TORCH_LIBRARY(rosechat_quant, lib) {
+  lib.def("tile_bits(int mode) -> int", &tile_bits);
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor", &q4_linear);
   lib.def("q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor", &q8_linear);
   lib.def("q4_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor", &q4_rows);

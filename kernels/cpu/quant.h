@@ -1,6 +1,6 @@
 // What the blocked linears of quant.cpp (q4, q8) and quant_k.cpp (q8m, q6: GGUF's Q5 and Q6 blocks)
-// share: x quantized per block of 32 to int16, the integer block dot products and the tiles that fold
-// them, the row lookups. A weight format is a struct (quant.cpp's Q4 and Q8 describe the members a
+// share: x quantized per block of 32 to int16, the integer block dot products and their folds (the
+// tiles that use them: tile.h), the row lookups. A weight format is a struct (quant.cpp's Q4 and Q8 describe the members a
 // tile reads: widen, scale, kOffset, kParts, kSpanBlocks, kSpanUnits). The layouts are described in quant.cpp.
 #pragma once
 
@@ -16,9 +16,9 @@
 
 // The avx512 variant (kernels/cpu/isa.py) is built for F, BW, VL, DQ and VNNI. Its block sums take
 // VNNI's multiply-add: the same exact integers, so every result is the avx2 variant's bit for bit.
-// Block sums on 512-bit vectors (a row's block in one vector, one multiply-add per row of x, a wider
-// fold) were tried and measured 1.35x (one sequence) to 2.3x (eight) slower on Zen 4, which splits
-// 512-bit operations in two: the tiles keep 256 bits.
+// Block sums on 512-bit vectors measured 1.35x (one sequence) to 2.3x (eight) slower on Zen 4, which
+// splits 512-bit operations in two, and 1.2-1.6x faster at one row on Intel's server cores: the tiles
+// keep 256 bits but for tile_wide (one row of x), which kernels/cpu/tiles.py turns on where it times faster.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define ROSECHAT_AVX512 1
 #endif
@@ -192,96 +192,6 @@ inline __m256 block_lanes(const S* s, int64_t nb, int64_t o, int64_t b, __m256i 
   return lanes<R>(s + (o / kLanes * nb + b) * kLanes + (R == 1 ? o % kLanes : 0), w_index);
 }
 
-// Weight rows o..o+R (within one group of 8) against x rows r0..r0+T, R * T = 8: lane i * T + t of one
-// accumulator holds output (o + i, r0 + t). Per block, each lane adds its exact integer block sum times
-// (weight scale * x scale) in one FMA (per part: Q6's two halves, two), and with an offset m its
-// m * sum(x) in another, whatever R and T are: a sequence's result does not depend on the batch
-// around it (batch invariance). Rows past n (the last group's) repeat row n - 1, unstored.
-template <int R, int T, typename W>
-inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, float* y) {
-  static_assert(R * T == kLanes);
-  constexpr int P = W::kParts;
-  const int64_t n = w.n, nb = w.nb;
-  const uint8_t* rows[R];
-  for (int i = 0; i < R; ++i) rows[i] = w.row(std::min(o + i, n - 1));
-  const int64_t stride = w.stride(o);
-  const int16_t* x = xq.q + r0 * kBlock;
-  const float* xd = xq.d + r0;
-  const float* xs = xq.s + r0;
-  int w_lane[kLanes], x_lane[kLanes];
-  for (int l = 0; l < kLanes; ++l) w_lane[l] = o % kLanes + l / T, x_lane[l] = l % T;
-  const __m256i w_index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w_lane));
-  const __m256i x_index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_lane));
-  __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();  // two chains of FMAs, not one
-  for (int64_t b = 0; b < nb; ++b) {
-    const int16_t* xb = x + b * xq.rows * kBlock;  // block b of x row r0, row r0 + t 32 values on
-    if constexpr (T == 1) {  // a group's unit kPrefetch bytes on (wider tiles revisit units: no need)
-      // a span of kSpanBlocks blocks takes kSpanUnits units (q6k: 8 blocks, 6 units): its first blocks fetch them
-      if (b % W::kSpanBlocks < W::kSpanUnits) {
-        const int64_t u = b / W::kSpanBlocks * W::kSpanUnits + b % W::kSpanBlocks;
-        const char* unit = reinterpret_cast<const char*>(rows[0] + u * stride);
-        for (int line = 0; line < 4; ++line) _mm_prefetch(unit + kPrefetch + 64 * line, _MM_HINT_T0);
-      }
-    }
-    Sums<P> total;  // output l = i * T + t: weight row i times x row t
-    if constexpr (T == 1) {  // 8 rows: sums folded as they come (8 live sums and rows would spill)
-      const auto sum = [&](int i) {
-        __m256i lo, hi;
-        W::widen(rows[i], stride, b, lo, hi);
-        return dots<P>(lo, hi, xb);
-      };
-      const auto pair_at = [&](int i) { const Sums<P> a = sum(i); return pair(a, sum(i + 1)); };
-      const auto quad_at = [&](int i) { const Sums<P> p = pair_at(i); return quad(p, pair_at(i + 2)); };
-      total = totals(quad_at(0), quad_at(4));
-    } else {  // every sum, then the transpose (measured faster where rows of x share a widened row)
-      Sums<P> s[kLanes];
-      for (int i = 0; i < R; ++i) {
-        __m256i lo, hi;
-        W::widen(rows[i], stride, b, lo, hi);
-        for (int t = 0; t < T; ++t) s[i * T + t] = dots<P>(lo, hi, xb + t * kBlock);
-      }
-      total = totals(quad(pair(s[0], s[1]), pair(s[2], s[3])), quad(pair(s[4], s[5]), pair(s[6], s[7])));
-    }
-    const __m256 x_scale = lanes<T>(xd + b * xq.stride, x_index);
-    for (int p = 0; p < P; ++p)
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total.v[p]), _mm256_mul_ps(w.template scale<R>(o, b, p, w_index), x_scale),
-                            acc);
-    if constexpr (W::kOffset)  // the block's m * sum(x)
-      offsets = _mm256_fmadd_ps(w.template offset<R>(o, b, w_index), lanes<T>(xs + b * xq.stride, x_index), offsets);
-  }
-  float out[kLanes];
-  _mm256_storeu_ps(out, _mm256_add_ps(acc, offsets));
-  for (int i = 0; i < R && o + i < n; ++i)
-    for (int t = 0; t < T; ++t) y[(r0 + t) * n + o + i] = out[i * T + t];
-}
-
-// Weight rows [o_begin, o_end) (whole groups of 8) against x rows r0..r0+T, in tiles of 8 / T weight rows.
-template <int T, typename W>
-void row_tiles(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o_end, int64_t r0, float* y) {
-  for (int64_t o = o_begin; o < std::min(o_end, w.n); o += kLanes / T) tile<kLanes / T, T>(w, xq, o, r0, y);
-}
-
-template <typename W>
-at::Tensor blocked_linear(const at::Tensor& x, const W& w) {
-  const int64_t rows = x.size(0), n = w.n;
-  const QuantizedRows xq = quantize_rows(x);
-  at::Tensor y = at::empty({rows, n}, x.options());
-  float* yp = y.data_ptr<float>();
-  constexpr int64_t kOutBlock = 16;  // weight rows that stay in cache while every tile of x passes them
-  static_assert(kOutBlock % kLanes == 0, "tiles start on a group of 8 rows: chunks are whole grains");
-  rosechat::parallel_for(0, (n + kLanes - 1) / kLanes * kLanes, kOutBlock, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; o += kOutBlock) {
-      const int64_t o_end = std::min(end, o + kOutBlock);
-      int64_t r0 = 0;
-      for (; r0 + 8 <= rows; r0 += 8) row_tiles<8>(w, xq, o, o_end, r0, yp);
-      if (rows - r0 >= 4) row_tiles<4>(w, xq, o, o_end, r0, yp), r0 += 4;
-      if (rows - r0 >= 2) row_tiles<2>(w, xq, o, o_end, r0, yp), r0 += 2;
-      if (rows - r0 >= 1) row_tiles<1>(w, xq, o, o_end, r0, yp);
-    }
-  });
-  return y;
-}
-
 // A packed weight's block scales (or q4's offsets) for n rows of nb blocks, as pack_scales lays them out,
 // of element type S (float: float32, uint16_t: float16)
 template <typename S = float>
@@ -319,6 +229,13 @@ struct Q8 : Rows {
     lo = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // the low byte of each lane, sign-extended
     hi = _mm256_srai_epi16(v, 8);
   }
+#ifdef ROSECHAT_AVX512
+  static inline void widen512(const uint8_t* row, int64_t stride, int64_t b, __m512i& lo, __m512i& hi) {
+    const __m512i v = _mm512_loadu_si512(row + b * stride);
+    lo = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+    hi = _mm512_srai_epi16(v, 8);
+  }
+#endif
   template <int R>
   __m256 scale(int64_t o, int64_t b, int, __m256i w_index) const { return block_lanes<R>(d, nb, o, b, w_index); }
   static constexpr bool kOffset = false;

@@ -23,7 +23,7 @@
 // (VNNI, q8m); q6's and q6k's half sums are single multiply-adds in both.
 #include <torch/library.h>
 
-#include "quant.h"
+#include "tile.h"
 
 namespace {
 

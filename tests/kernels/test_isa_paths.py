@@ -33,7 +33,7 @@ print("RESULT " + json.dumps({"kernels": llm.info.kernels, "replies": replies, "
 
 
 def _decode(isa: str, replies: list[list[int]] | None = None) -> dict:
-    env = {**os.environ, "ROSECHAT_CPU_ISA": isa, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "ROSECHAT_CPU_ISA": isa, "PYTHONPATH": str(ROOT), **_wide(isa)}
     out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(PROMPTS), json.dumps(replies or [])], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -100,11 +100,17 @@ torch.save(out, sys.argv[1])
 
 
 def _kernel_outputs(isa: str, path: Path) -> dict:
-    env = {**os.environ, "ROSECHAT_CPU_ISA": isa, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "ROSECHAT_CPU_ISA": isa, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **_wide(isa)}
     out = subprocess.run([sys.executable, "-c", _KERNELS_SCRIPT, str(path), isa], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return torch.load(path)
+
+
+def _wide(isa: str) -> dict[str, str]:
+    """The avx512 variant forced onto its 512-bit one-row tiles (kernels/cpu/tiles.py), whatever its timing
+    would choose here: the wide tiles are what this run checks against the pinned variant's bits."""
+    return {"ROSECHAT_CPU_TILES": "512"} if isa == "avx512" else {}
 
 
 def _other_built_paths() -> list[str]:
@@ -135,10 +141,10 @@ def test_the_kernel_tests_pass_on_every_isa_variant(isa: str) -> None:
     """The suite runs in one process on the pinned variant (one variant's operators per process): the
     kernel tests run again here, forced onto each other variant this CPU can run."""
     _skip_unless_runnable(isa)
-    env = {**os.environ, "ROSECHAT_CPU_ISA": isa}
+    env = {**os.environ, "ROSECHAT_CPU_ISA": isa, **_wide(isa)}
     tests = [str(ROOT / f) for f in ("tests/kernels/test_cpu_quant.py", "tests/kernels/test_cpu_quant_k.py",
                                      "tests/kernels/test_cpu_layers.py", "tests/kernels/test_cpu_repack.py",
-                                     "tests/engine/test_sampler.py")]
+                                     "tests/kernels/test_cpu_tiles.py", "tests/engine/test_sampler.py")]
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *tests],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
