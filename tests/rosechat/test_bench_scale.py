@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kernels.cpu import isa as cpu_isa
 from rosechat.bench import scale, scale_gguf
 from rosechat.bench.systems import BenchError, llama_cpp_available
 
@@ -58,9 +59,14 @@ def test_the_command_runs_both_systems_on_a_tiny_shape(tmp_path: Path, monkeypat
     code = main(["bench", "scale", "--shape", "tiny", "--threads", "1", "--prompt-tokens", "16", "--max-tokens", "4",
                  "--phases", "cold"])
     out = capsys.readouterr().out
-    assert code == 0, out
     rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["rosechat"], ["llama.cpp"])}
     assert "cold" in rows["rosechat"] and "decode" in out
+    if llama_cpp_available() and "exit status -11" in rows["llama.cpp"] and "amx_int8" in cpu_isa.cpu_flags():
+        # llama-cpp-python 0.3.36's AMX matmul (ggml_backend_amx_mul_mat) crashes on this random file where
+        # the CPU has AMX (Sapphire Rapids and later): the bench names the peer's crash and fails, ours ran
+        assert code == 1 and float(rows["rosechat"].split()[-1]) > 0, out
+        return
+    assert code == 0, out
     if llama_cpp_available():
         assert float(rows["llama.cpp"].split()[-1]) > 0  # its decode tok/s
     else:
