@@ -23,6 +23,7 @@ from engine.weights.blocks import (
     BlockShards,
     GGUFBlocks,
     block_tensor,
+    block_view,
     exact_scales,
     f16_field,
     k_scale_min,
@@ -31,8 +32,10 @@ from engine.weights.packed import ROW_GROUP, BlockWeight
 from engine.weights.q4 import _q4_k
 from engine.weights.q5 import _q5_k
 from kernels.cpu import ops as cpu_ops
+from kernels.cpu import repack as cpu_repack
 
 K_EXACT = ("Q4_K", "Q5_K", "Q6_K")  # the types this form holds exactly
+_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 Parts = tuple[Tensor, Tensor, Tensor, Tensor | None]  # q int8 [out, in], d [out, in/256], sc int8 [out, in/16], m
 
@@ -97,11 +100,36 @@ class Q6Weight(BlockWeight):
     def allocate(cls, out_f: int, in_f: int) -> Q6Weight:
         """Tensors of pack_q6k's, pack_scales' and pack_sub_scales' shapes (the weight cache checks them)."""
         groups, blocks = -(-out_f // ROW_GROUP), in_f // GROUP
-        tensors = {"qs": torch.empty(out_f, in_f // 4 * 3, dtype=torch.uint8),
+        tensors = {"qs": cls.advise_huge_pages(torch.empty(out_f, in_f // 4 * 3, dtype=torch.uint8)),
                    "d": torch.empty(groups, in_f // SUPER, ROW_GROUP, dtype=torch.float16),
                    "sc": torch.empty(groups, blocks, 2, ROW_GROUP, dtype=torch.int8),
                    "m": torch.empty(groups, blocks, ROW_GROUP)}
         return cls.from_tensors((out_f, in_f), {k: tensors[k] for k in cls.names})
+
+    def one_pass(self, source: Tensor | GGUFBlocks) -> bool:
+        return isinstance(source, GGUFBlocks) and source.type_name in K_EXACT and cpu_repack.available()
+
+    def write_rows(self, r0: int, source: Tensor | GGUFBlocks) -> None:
+        """K-quant rows r0.. into place: in one pass from the file's bytes (repack.cpp), else through
+        q6_from_blocks by the caller's chunks of rows (the whole-tensor intermediates of the int8 values and
+        their int32 lanes were most of an 8B Q4_K_M file's peak)."""
+        if not isinstance(source, GGUFBlocks) or source.type_name not in K_EXACT:
+            raise ValueError(f"a q6k weight packs K-quant blocks, not {getattr(source, 'type_name', 'floats')}")
+        if source.type_name != "Q6_K" and self.m is None:
+            raise ValueError(f"{source.type_name} rows need offsets: a Q6MWeight")
+        n = source.shape[0]
+        g0, groups = r0 // ROW_GROUP, -(-n // ROW_GROUP)
+        qs, d, sc = self.qs[r0 : r0 + n], self.d[g0 : g0 + groups], self.sc[g0 : g0 + groups]
+        m = None if self.m is None else self.m[g0 : g0 + groups]
+        if cpu_repack.available():
+            cpu_repack.q6k(block_view(source, _BLOCK_BYTES[source.type_name]), qs, d, sc, m)
+            return
+        q, d_rows, sc_rows, m_rows = q6_from_blocks(source)
+        qs.copy_(cpu_ops.pack_q6k(q))
+        d.copy_(cpu_ops.pack_scales(exact_scales(d_rows, torch.float16)))
+        sc.copy_(cpu_ops.pack_sub_scales(sc_rows))
+        if m is not None:
+            m.copy_(cpu_ops.pack_scales(m_rows if m_rows is not None else d_rows.new_zeros(n, sc_rows.shape[1] // 2)))
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q6k_linear(x, self.qs, self.d, self.sc, self.m)

@@ -36,10 +36,10 @@ from torch import Tensor
 
 import kernels
 from engine.weights.blocks import BlockShards, GGUFBlocks
-from engine.weights.packed import BlockWeight, GPUBlockWeight, PackedWeight
+from engine.weights.packed import ROW_GROUP, BlockWeight, GPUBlockWeight, PackedWeight
 from engine.weights.q4 import Int4Weight, Q4Weight, int4_from_blocks, q4_parts, quantize_int4
 from engine.weights.q5 import Q8MWeight, q5_0_from_blocks, q8m_from_blocks, q8m_from_shards
-from engine.weights.q6 import Q6Weight, q6_from_blocks, q6_from_shards
+from engine.weights.q6 import Q6Weight, q6_from_shards
 from engine.weights.q8 import (
     Int8Weight,
     Q8HalfWeight,
@@ -49,7 +49,7 @@ from engine.weights.q8 import (
     q8_parts,
     quantize_int8,
 )
-from engine.weights.rowpack import pack_rows, source_type, streamed_class
+from engine.weights.rowpack import fill_rows, pack_rows, source_type, streamed_class
 from kernels.cpu import ops as cpu_ops
 
 CPU = torch.device("cpu")
@@ -118,16 +118,31 @@ def exact_int8(source: Source) -> BlockWeight | None:
     if isinstance(source, GGUFBlocks):
         if (plain := q8_from_blocks(source) or q5_0_from_blocks(source)) is not None:
             return Q8HalfWeight(*plain)  # both keep the file's float16 scales
-        if source.type_name == "Q6_K":
-            return Q6Weight.of(*q6_from_blocks(source))
+        if source.type_name == "Q6_K":  # in one pass from the file's bytes (Q6Weight.write_rows)
+            return pack_rows(Q6Weight, source)
         parts = q8m_from_blocks(source)
         return None if parts is None else Q8MWeight(*parts)
     if isinstance(source, BlockShards):
         if (parts := q8m_from_shards(source)) is not None:
             return Q8MWeight(*parts)
+        if (streamed := _streamed_shards(source)) is not None:
+            return streamed
         if (k_parts := q6_from_shards(source)) is not None:
             return Q6Weight.of(*k_parts)
     return None
+
+
+def _streamed_shards(shards: BlockShards) -> BlockWeight | None:
+    """Shards of one streamed class (rowpack.streamed_class: Q6_K beside Q4_K rows) packed into their row
+    ranges, each in one pass; None where a shard does not start a row group (then q6_from_shards stacks them)."""
+    cls = streamed_class("int8", [p.type_name for p in shards.parts])
+    starts = np.cumsum([0] + [p.shape[0] for p in shards.parts[:-1]])
+    if cls is None or any(int(r0) % ROW_GROUP for r0 in starts):
+        return None
+    weight = cls.allocate(*shards.shape)
+    for r0, part in zip(starts, shards.parts, strict=True):
+        fill_rows(weight, int(r0), part)
+    return weight
 
 
 def _pack_for_torch(source: Source, mode: str, keep_rows: bool) -> PackedWeight:

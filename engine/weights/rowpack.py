@@ -23,6 +23,7 @@ from torch import Tensor
 from engine.weights.blocks import GGUFBlocks
 from engine.weights.packed import ROW_GROUP, BlockWeight
 from engine.weights.q4 import Q4HalfWeight, Q4KWeight, Q4Weight
+from engine.weights.q6 import K_EXACT, Q6MWeight, Q6Weight
 from engine.weights.q8 import Q8HalfWeight, Q8Weight
 
 CHUNK_ROWS = 1024  # rows converted at a time (a multiple of ROW_GROUP): temporaries of a few MiB
@@ -34,6 +35,7 @@ STREAMED: dict[tuple[str, str], type[BlockWeight]] = {
     # the file's scales kept as they are (float16; Q4_K's 6-bit ones too); quantized floats' are float32
     ("int4", "Q4_0"): Q4HalfWeight, ("int4", "Q4_1"): Q4HalfWeight, ("int4", "Q4_K"): Q4KWeight,
     ("int4", DENSE): Q4Weight, ("int8", "Q8_0"): Q8HalfWeight, ("int8", DENSE): Q8Weight,
+    ("int8", "Q6_K"): Q6Weight,
 }
 
 
@@ -47,9 +49,13 @@ def source_type(source: Tensor | GGUFBlocks | str | None) -> str:
 
 
 def streamed_class(mode: str, types: list[str]) -> type[BlockWeight] | None:
-    """The class a module of shards of `types` packs into by rows, None if it must be packed whole:
-    shards of mixed types are requantized together through fp32 (routes.concat_rows)."""
-    if len(set(types)) != 1:
+    """The class a module of shards of `types` packs into by rows, None if it must be packed whole
+    (routes.pack: one exact form for mixed shards, or through fp32). Q6_K beside Q4_K / Q5_K shards (Q4_K_M's
+    merged qkv) streams too, into q6k with offsets: the form routes.exact_int8 picks for them."""
+    kinds = set(types)
+    if mode == "int8" and "Q6_K" in kinds and kinds <= set(K_EXACT):
+        return Q6Weight if kinds == {"Q6_K"} else Q6MWeight
+    if len(kinds) != 1:
         return None
     return STREAMED.get((mode, types[0]))
 

@@ -1,5 +1,5 @@
 // A load's repack: GGUF blocks straight from the file's bytes into the kernels' layouts (kernels/cpu/ops.py
-// pack_q4, pack_q8, pack_scales, pack_sub_scales), each output byte written once, in order, by both threads.
+// pack_q4, pack_q8, pack_q6k, pack_scales, pack_sub_scales), each output byte written once, in order, by both threads.
 // The same bytes as those torch functions give (tests/kernels/test_cpu_repack.py); torch's strided copies
 // of the same shuffles moved single bytes and took most of a cold load (1.7B Q4_1: 3.4 s of 4.7).
 //
@@ -166,10 +166,115 @@ void repack_q4k(const at::Tensor& src, const at::Tensor& qs, const at::Tensor& d
   });
 }
 
+// The 6-bit field of the 256 values of one K-quant super-block, as q6k keeps them (pack_q6k: q & 63, q the
+// int8 value): Q6_K's q - 32 (low 4 bits in ql, top 2 in qh), Q4_K's nibbles 0..15, Q5_K's 0..31 (a fifth
+// bit in qh). The orders are the gguf package's dequantizers' (q6.q6_from_blocks, q4._q4_k_values, q5._q5_k).
+void k_values(const uint8_t* blk, int64_t bytes, uint8_t* v) {
+  if (bytes == 210) {  // two halves of 128: ql [64] and qh [32] each
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+      uint8_t* o = v + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        o[l] = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) ^ 32;  // (q - 32) & 63
+        o[l + 32] = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) ^ 32;
+        o[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) ^ 32;
+        o[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) ^ 32;
+      }
+    }
+    return;
+  }
+  const uint8_t* qs = blk + (bytes == 144 ? 16 : 48);  // 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1
+  const uint8_t* qh = blk + 16;  // Q5_K: sub-block j's fifth bits, bit j of its 32 bytes
+  for (int c = 0; c < 4; ++c) {
+    for (int l = 0; l < 32; ++l) {
+      uint8_t lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
+      if (bytes == 176) lo |= ((qh[l] >> (2 * c)) & 1) << 4, hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      v[64 * c + l] = lo, v[64 * c + 32 + l] = hi;
+    }
+  }
+}
+
+// One row's super-block of values v (k_values) as q6k's 6 units of 16 16-bit lanes (pack_q6k): unit b, lane j:
+// block b's value j in bits 10-15, j + 16 in bits 4-9; bits 0-3 of units 0-2 hold block 6's (low 4 bits of
+// j, of j + 16, then both top 2 bits), of units 3-5 block 7's. Unit b goes to o + b * stride.
+inline void q6k_units(const uint8_t* v, uint8_t* o, int64_t stride) {
+  for (int b = 0; b < 6; ++b, o += stride) {
+    const uint8_t* x = v + (b < 3 ? 192 : 224);  // block 6 or 7
+    for (int j = 0; j < 16; ++j) {
+      const int a = x[j], c = x[16 + j];
+      const int low = b % 3 == 0 ? a & 15 : b % 3 == 1 ? c & 15 : (a >> 4) | ((c >> 4) << 2);
+      const int lane = (v[32 * b + j] << 10) | (v[32 * b + 16 + j] << 4) | low;
+      o[2 * j] = static_cast<uint8_t>(lane & 0xFF), o[2 * j + 1] = static_cast<uint8_t>(lane >> 8);
+    }
+  }
+}
+
+// Q6_K (210 bytes: ql [128], qh [64], int8 sc [16], d), Q4_K (144) or Q5_K (176: d, dmin, 12 bytes of scales,
+// qh [32], qs [128]) super-blocks -> q6k's qs, d [groups, supers, 8] (float16: Q6_K's d, the others' d),
+// sc [groups, supers * 8, 2, 8] (int8: Q6_K's scale per 16; the others' 6-bit scale per 32, twice) and, if
+// m is not empty, m [groups, supers * 8, 8] (float32: -dmin * min per 32; 0 for Q6_K), as q6.Q6Weight packs them
+void repack_q6k(const at::Tensor& src, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc,
+                const at::Tensor& m) {
+  ROSECHAT_CHECK(src.dim() == 3 && (src.size(2) == 210 || src.size(2) == 144 || src.size(2) == 176),
+                 "src must be Q6_K, Q4_K or Q5_K super-blocks");
+  const int64_t bytes = src.size(2);
+  check_src(src, bytes);
+  const int64_t n = src.size(0), supers = src.size(1), units = supers * 6, blocks = supers * 8;
+  const int64_t groups = (n + kRows - 1) / kRows;
+  const bool offsets = m.numel() > 0;
+  ROSECHAT_CHECK(qs.scalar_type() == at::kByte && d.scalar_type() == at::kHalf && sc.scalar_type() == at::kChar,
+                 "qs uint8, d float16, sc int8");
+  ROSECHAT_CHECK(bytes == 210 || offsets, "Q4_K and Q5_K rows need m");
+  check_out(qs, n * units * kUnit, "qs");
+  check_out(d, groups * supers * kRows, "d");
+  check_out(sc, groups * blocks * 2 * kRows, "sc");
+  if (offsets) {
+    ROSECHAT_CHECK(m.scalar_type() == at::kFloat, "m float32");
+    check_out(m, groups * blocks * kRows, "m");
+  }
+  const uint8_t* s = src.data_ptr<uint8_t>();
+  uint8_t* out = qs.data_ptr<uint8_t>();
+  uint16_t* out_d = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
+  int8_t* out_sc = sc.data_ptr<int8_t>();
+  float* out_m = offsets ? m.data_ptr<float>() : nullptr;
+  for_groups(n, [&](int64_t g, int64_t r0, int64_t rows) {
+    uint8_t v[256];
+    uint8_t* o = out + r0 * units * kUnit;
+    uint16_t* od = out_d + g * supers * kRows;  // [supers, 8]
+    int8_t* os = out_sc + g * blocks * 2 * kRows;  // [blocks, 2, 8]
+    float* om = offsets ? out_m + g * blocks * kRows : nullptr;  // [blocks, 8]
+    std::memset(od, 0, supers * kRows * 2);
+    std::memset(os, 0, blocks * 2 * kRows);
+    if (offsets) std::memset(om, 0, blocks * kRows * sizeof(float));
+    for (int64_t k = 0; k < supers; ++k) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* blk = s + ((r0 + r) * supers + k) * bytes;
+        k_values(blk, bytes, v);
+        q6k_units(v, o + (k * 6 * rows + r) * kUnit, rows * kUnit);  // the group stores unit u of its rows together
+        if (bytes == 210) {
+          std::memcpy(od + k * kRows + r, blk + 208, 2);
+          for (int j = 0; j < 16; ++j) os[((k * 8 + j / 2) * 2 + j % 2) * kRows + r] = static_cast<int8_t>(blk[192 + j]);
+          continue;
+        }
+        std::memcpy(od + k * kRows + r, blk, 2);
+        const float dmin = half_at(blk + 2);
+        const uint8_t *low = blk + 4, *high = blk + 8, *extra = blk + 12;
+        for (int j = 0; j < 8; ++j) {  // as blocks.k_scale_min
+          const int scale = j < 4 ? low[j] & 63 : (extra[j - 4] & 0x0F) | ((low[j - 4] >> 6) << 4);
+          const int min = j < 4 ? high[j] & 63 : (extra[j - 4] >> 4) | ((high[j - 4] >> 6) << 4);
+          os[((k * 8 + j) * 2) * kRows + r] = os[((k * 8 + j) * 2 + 1) * kRows + r] = static_cast<int8_t>(scale);
+          om[(k * 8 + j) * kRows + r] = -dmin * static_cast<float>(min);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rosechat_repack, lib) {
   lib.def("repack_q4(Tensor src, Tensor(a!) qs, Tensor(b!) d, Tensor(c!) m) -> ()", &repack_q4);
   lib.def("repack_q8(Tensor src, Tensor(a!) qs, Tensor(b!) d) -> ()", &repack_q8);
   lib.def("repack_q4k(Tensor src, Tensor(a!) qs, Tensor(b!) dd, Tensor(c!) sc) -> ()", &repack_q4k);
+  lib.def("repack_q6k(Tensor src, Tensor(a!) qs, Tensor(b!) d, Tensor(c!) sc, Tensor(d!) m) -> ()", &repack_q6k);
 }

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.weights import formats, routes
+from engine.weights import formats, routes, rowpack
 from engine.weights.blocks import BlockShards, GGUFBlocks
 from engine.weights.loader import load_model
 from engine.weights.packing import PackedEmbedding, PackedLinear, auto_mode
@@ -144,6 +144,8 @@ def test_a_q4_k_m_like_file_is_exact_end_to_end(tmp_path: Path, monkeypatch: pyt
     exact = (PagedHarness(packed).step(prefills=[(0, ids)]) - want).abs().max().item() / want.abs().max().item()
     # the path before: Q5_x / Q6_K (and mixed shards) requantized to 8-bit blocks by absmax
     monkeypatch.setattr(routes, "exact_int8", lambda source: None)
+    monkeypatch.setattr(rowpack, "K_EXACT", ())  # no q6k streaming either (rowpack.streamed_class)
+    monkeypatch.delitem(rowpack.STREAMED, ("int8", "Q6_K"))
     old = load_model(str(path), quantization="auto", weight_cache=False)  # repacked, not the exact forms cached
     assert not any(isinstance(m.weight, Q6Weight | Q8MWeight) for m in old.model.modules()
                    if isinstance(m, PackedLinear | PackedEmbedding))
