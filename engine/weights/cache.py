@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from engine.weights.gguf_config import cache_root
 from engine.weights.packed import BlockWeight
 
-LAYOUT_VERSION = 4  # bump when a packed format's tensors or their layout change
+LAYOUT_VERSION = 5  # bump when a packed format's tensors or their layout change (5: an untied GGUF embedding is packed)
 _META = "rosechat.weights"
 _SAMPLE = 4096  # bytes hashed at each end of every tensor
 _ALIGN = 64  # the data section starts here (the header is padded to it)

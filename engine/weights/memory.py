@@ -52,7 +52,7 @@ def available_memory() -> int | None:
 def weight_bytes(gguf: Any, quantization: str, itemsize: int) -> int:
     """The loaded weights' bytes, from the header's tensor types (`gguf` a GGUFModel): what packing.py
     keeps packed under `quantization`, the rest dense at `itemsize` bytes a weight. A tied model's
-    embedding is packed with the linears; an untied one's stays dense (it only looks rows up)."""
+    embedding is packed with the linears; an untied one keeps its own form (packing.plan_packing), as under "auto"."""
     from engine.weights.formats import auto_mode, resident_bytes
 
     if gguf.arch == "gpt2" and quantization == "auto":  # plan_packing keeps GPT-2 dense
@@ -62,8 +62,9 @@ def weight_bytes(gguf: Any, quantization: str, itemsize: int) -> int:
     total = 0
     for t in tensors:
         n = math.prod(t.shape)
-        matrix = len(t.shape) == 2 and (t.name != "token_embd.weight" or "output.weight" not in names)
-        mode = (auto_mode(t.type_name) if quantization == "auto" else quantization) if matrix else "none"
+        untied = t.name == "token_embd.weight" and "output.weight" in names
+        own = quantization == "auto" or (untied and quantization != "none")
+        mode = (auto_mode(t.type_name) if own else quantization) if len(t.shape) == 2 else "none"
         total += n * itemsize if mode == "none" else resident_bytes(t.type_name, n, mode)
     return total
 

@@ -163,16 +163,17 @@ def swap_in_packed(model: nn.Module, modes: dict[str, str], dtype: torch.dtype, 
         setattr(parent, leaf, new)
 
 
-def packable_modules(model: nn.Module) -> list[str]:
+def packable_modules(model: nn.Module, untied_embedding: bool = False) -> list[str]:
     """The module names a packed load replaces: every linear layer, and the token embedding(s) when
     the model is tied (no lm_head: the head multiplies by the embedding). An untied model's embedding
-    only looks rows up and stays dense, as do position embeddings."""
+    only looks rows up: it stays dense unless `untied_embedding` (a GGUF file's quantized embedding, kept
+    as the file has it: Llama 3 8B's would take 2 GB as float32), as do position embeddings."""
     tied = getattr(model, "lm_head", None) is None
     names = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and module.in_features % GROUP == 0:
             names.append(name)
-        elif tied and isinstance(module, nn.Embedding) and name.endswith(("embed_tokens", "wte")):
+        elif (tied or untied_embedding) and isinstance(module, nn.Embedding) and name.endswith(("embed_tokens", "wte")):
             if module.embedding_dim % GROUP == 0:
                 names.append(name)
     return names
@@ -197,7 +198,9 @@ def plan_packing(
     if gguf.arch == "gpt2" and quantization == "auto":
         return set()
     check_packing(net, quantization, device)
-    packable = set(packable_modules(net))
+    # an untied embedding keeps its own exact form on our kernels' route (rows dequantized per lookup)
+    own_form = route(device) == "rosechat" and getattr(net, "lm_head", None) is not None
+    packable = set(packable_modules(net, untied_embedding=own_form))
     modes: dict[str, str] = {}
     types: dict[str, dict[int, str]] = {}  # module -> shard -> source type
     raw: set[str] = set()
@@ -211,7 +214,8 @@ def plan_packing(
         module = target[0].rpartition(".")[0]
         if module not in packable:
             continue
-        mode = auto_mode(type_name) if quantization == "auto" else quantization
+        embedding = isinstance(net.get_submodule(module), nn.Embedding)
+        mode = auto_mode(type_name) if quantization == "auto" or (own_form and embedding) else quantization
         if mode == "none":
             continue
         if modes.get(module) not in (None, mode):  # shards of mixed classes (Q4_K_M's v): the wider

@@ -161,6 +161,29 @@ def test_a_q4_k_m_like_file_is_exact_end_to_end(tmp_path: Path, monkeypatch: pyt
     assert outs[0] == outs[1] and calls
 
 
+def test_an_untied_q4_k_m_like_file_keeps_its_embedding_and_head_as_the_file_has_them(tmp_path: Path) -> None:
+    """Llama 3 8B's layout: a Q4_K token embedding of its own (no dense vocab x hidden floats: 2 GB there) and a
+    Q6_K output, both packed in one pass from the file; the logits and greedy tokens are the dequantized load's."""
+    path = tmp_path / "untied.gguf"
+    mix = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+    _, tok = write_gguf(path, "llama", qtype="Q4_K", tie=False, tensor_qtypes=mix, **K_SHAPE)
+    dense = load_model(str(path), quantization="none")
+    packed = load_model(str(path), quantization="auto", weight_cache=False)
+    net, layer = packed.model, packed.model.model.layers[0]
+    assert isinstance(net.model.embed_tokens, PackedEmbedding)
+    kinds = [type(m.weight).__name__ for m in (net.model.embed_tokens, net.lm_head, layer.self_attn.qkv_proj,
+                                               layer.mlp.down_proj)]
+    assert kinds == ["Q4KWeight", "Q6Weight", "Q6MWeight", "Q6Weight"]
+    assert not [n for n, _ in net.named_parameters() if "embed" in n]  # no dense copy
+    ids = tok.encode(PROMPT).ids
+    want = PagedHarness(dense).step(prefills=[(0, ids)])
+    diff = (PagedHarness(packed).step(prefills=[(0, ids)]) - want).abs().max().item() / want.abs().max().item()
+    assert diff < 5e-4, diff  # exact weights: int16 activations only
+    outs = [LLMEngine(loaded, EngineConfig(block_size=8, num_blocks=64)).generate(
+        [ids], SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids for loaded in (dense, packed)]
+    assert outs[0] == outs[1]
+
+
 def test_a_file_with_a_type_without_a_kernel_warns_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "q3k.gguf"
     write_gguf(path, "llama", qtype="Q4_K", tensor_qtypes={"ffn_down": "Q3_K", "attn_output": "Q2_K"}, **K_SHAPE)
