@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.weights import gguf_config
-from engine.weights.blocks import GGUFBlocks
+from engine.weights.blocks import FilePages, GGUFBlocks
 from engine.weights.gguf_header import HeaderError, TensorInfo, read_array, read_header
 
 GGUF_MAGIC = b"GGUF"
@@ -246,13 +246,16 @@ class GGUFModel:
                     continue
                 raise GGUFError(f"{self.path.name}: tensor {t.name!r} has no place in {ARCHITECTURES[self.arch]}")
             if hf in raw and GGML_QUANT_SIZES[qtype][0] > 1 and len(t.shape) == 2:
-                populate_mapped_pages(data, t.offset, t.n_bytes)
                 blocks = self.tensor_bytes(t)  # uint8 [rows, row bytes], memory-mapped
+                pages = _file_pages(data, t.offset, blocks.shape[1])
+                if t.n_bytes <= _POPULATE_WHOLE:  # else a streamed repack maps it chunk by chunk (rowpack)
+                    populate_mapped_pages(data, t.offset, t.n_bytes)
                 if self.arch in _PERMUTED_QK and t.name.split(".")[-2] in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
-                    blocks = _unpermute_qk(blocks, heads)  # whole rows move: blocks stay intact
+                    populate_mapped_pages(data, t.offset, t.n_bytes)
+                    blocks, pages = _unpermute_qk(blocks, heads), None  # whole rows move: blocks stay intact
                 shape = (int(t.shape[1]), int(t.shape[0]))
-                yield hf, GGUFBlocks(blocks, t.type_name, shape), self.path.name
+                yield hf, GGUFBlocks(blocks, t.type_name, shape, pages), self.path.name
                 drop_mapped_pages(data, start, t.offset + t.n_bytes - start)
                 if progress is not None:
                     progress(i + 1, len(tensors))
@@ -326,6 +329,13 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 _MADV_POPULATE_READ = 22  # Linux 5.14+ (Python's mmap module does not name it yet)
+_POPULATE_WHOLE = 64 << 20  # a tensor up to this size is mapped in whole ahead of its repack
+
+
+def _file_pages(data: np.ndarray, offset: int, row_bytes: int) -> FilePages:
+    """The pages under rows of a tensor at `offset` in the mapped file `data` (GGUFBlocks.pages)."""
+    return FilePages(lambda r0, r1: populate_mapped_pages(data, offset + r0 * row_bytes, (r1 - r0) * row_bytes),
+                     lambda r0, r1: drop_mapped_pages(data, offset + r0 * row_bytes, (r1 - r0) * row_bytes))
 
 
 def populate_mapped_pages(array: Any, start: int, length: int) -> None:

@@ -27,6 +27,7 @@ from engine.weights.q6 import K_EXACT, Q6MWeight, Q6Weight
 from engine.weights.q8 import Q8HalfWeight, Q8Weight
 
 CHUNK_ROWS = 1024  # rows converted at a time (a multiple of ROW_GROUP): temporaries of a few MiB
+MAPPED_CHUNK_BYTES = 32 << 20  # the file's bytes a one-pass repack takes at a time (its pages then dropped)
 DENSE = "dense"  # a float source: a dense tensor (safetensors, or a GGUF F32/F16/BF16 tensor)
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
@@ -66,14 +67,27 @@ def row_chunks(rows: int, chunk: int = CHUNK_ROWS) -> Iterator[tuple[int, int]]:
 
 
 def fill_rows(weight: BlockWeight, r0: int, source: Tensor | GGUFBlocks) -> None:
-    """Pack `source` (rows r0.. of the weight's matrix; r0 a multiple of ROW_GROUP) into place, chunk by chunk."""
+    """Pack `source` (rows r0.. of the weight's matrix; r0 a multiple of ROW_GROUP) into place, chunk by chunk.
+    A one-pass repack of a memory-mapped tensor goes by chunks of about MAPPED_CHUNK_BYTES of the file, each
+    mapped in before and dropped after, so the file's pages of one chunk, not of the whole tensor, are
+    resident beside the packed weight."""
     if r0 % ROW_GROUP:
         raise ValueError(f"rows from {r0} do not start a group of {ROW_GROUP}")
+    pages = source.pages if isinstance(source, GGUFBlocks) else None
     with torch.no_grad():
         rows = int(source.shape[0])
-        for start, end in row_chunks(rows, max(rows, 1) if weight.one_pass(source) else CHUNK_ROWS):
+        chunk = CHUNK_ROWS
+        if weight.one_pass(source):
+            row_bytes = max(int(source.data.shape[1]), 1)
+            chunk = max(rows, 1) if pages is None else max(ROW_GROUP, MAPPED_CHUNK_BYTES // row_bytes // ROW_GROUP
+                                                           * ROW_GROUP)
+        for start, end in row_chunks(rows, chunk):
+            if pages is not None:
+                pages.populate(start, end)
             part = source.rows(slice(start, end)) if isinstance(source, GGUFBlocks) else source[start:end]
             weight.write_rows(r0 + start, part)
+            if pages is not None:
+                pages.drop(start, end)
 
 
 def pack_rows(cls: type[BlockWeight], source: Tensor | GGUFBlocks) -> BlockWeight:
@@ -83,5 +97,5 @@ def pack_rows(cls: type[BlockWeight], source: Tensor | GGUFBlocks) -> BlockWeigh
     return weight
 
 
-__all__ = ["CHUNK_ROWS", "DENSE", "STREAMED", "fill_rows", "pack_rows", "row_chunks", "source_type",
-           "streamed_class"]
+__all__ = ["CHUNK_ROWS", "DENSE", "MAPPED_CHUNK_BYTES", "STREAMED", "fill_rows", "pack_rows", "row_chunks",
+           "source_type", "streamed_class"]

@@ -192,3 +192,34 @@ def test_a_file_with_a_type_without_a_kernel_warns_once(tmp_path: Path, caplog: 
     lines = [r.getMessage() for r in caplog.records if "no kernel" in r.getMessage()]
     assert len(lines) == 1 and "Q2_K, Q3_K" in lines[0], lines
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj.weight, Q8Weight)
+
+
+def test_a_mapped_tensor_is_repacked_chunk_by_chunk_its_pages_dropped_as_it_goes(monkeypatch) -> None:
+    """A one-pass repack of a memory-mapped tensor maps each chunk's file pages in, packs it, and drops them
+    (rowpack.fill_rows): the whole tensor's pages are never resident beside its packed copy; same bytes."""
+    from engine.weights.blocks import FilePages
+    from engine.weights.rowpack import pack_rows
+
+    calls: list[tuple[str, int, int]] = []
+    blocks = _blocks("Q6_K", rows=61)  # 2 super-blocks of 210 bytes a row
+    blocks.pages = FilePages(lambda a, b: calls.append(("in", a, b)), lambda a, b: calls.append(("out", a, b)))
+    monkeypatch.setattr(rowpack, "MAPPED_CHUNK_BYTES", 16 * 420)  # 16 rows a chunk
+    got = pack_rows(Q6Weight, blocks)
+    spans = [(0, 16), (16, 32), (32, 48), (48, 61)]
+    assert calls == [(kind, a, b) for a, b in spans for kind in ("in", "out")]
+    want = pack_rows(Q6Weight, GGUFBlocks(blocks.data, "Q6_K", blocks.shape))  # no pages: one pass, whole
+    assert all(torch.equal(t, want.tensors()[k]) for k, t in got.tensors().items())
+
+
+def test_a_file_loaded_in_small_mapped_chunks_gives_the_same_logits(tmp_path: Path, monkeypatch) -> None:
+    from engine.weights import gguf as gguf_module
+
+    path = tmp_path / "chunks.gguf"
+    _, tok = write_gguf(path, "llama", qtype="Q4_K", tie=False, tensor_qtypes={"attn_v": "Q6_K", "output": "Q6_K"},
+                        **K_SHAPE)
+    ids = tok.encode(PROMPT).ids
+    want = PagedHarness(load_model(str(path), quantization="auto", weight_cache=False)).step(prefills=[(0, ids)])
+    monkeypatch.setattr(gguf_module, "_POPULATE_WHOLE", 0)  # every tensor mapped in by chunks
+    monkeypatch.setattr(rowpack, "MAPPED_CHUNK_BYTES", 4096)
+    got = PagedHarness(load_model(str(path), quantization="auto", weight_cache=False)).step(prefills=[(0, ids)])
+    assert torch.equal(got, want)
