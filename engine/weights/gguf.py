@@ -248,11 +248,11 @@ class GGUFModel:
             if hf in raw and GGML_QUANT_SIZES[qtype][0] > 1 and len(t.shape) == 2:
                 blocks = self.tensor_bytes(t)  # uint8 [rows, row bytes], memory-mapped
                 pages = _file_pages(data, t.offset, blocks.shape[1])
-                if t.n_bytes <= _POPULATE_WHOLE:  # else a streamed repack maps it chunk by chunk (rowpack)
+                permuted = self.arch in _PERMUTED_QK and t.name.split(".")[-2] in ("attn_q", "attn_k")
+                if permuted or t.n_bytes <= _POPULATE_WHOLE:  # else a streamed repack maps it by chunks (rowpack)
                     populate_mapped_pages(data, t.offset, t.n_bytes)
-                if self.arch in _PERMUTED_QK and t.name.split(".")[-2] in ("attn_q", "attn_k"):
+                if permuted:
                     heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
-                    populate_mapped_pages(data, t.offset, t.n_bytes)
                     blocks, pages = _unpermute_qk(blocks, heads), None  # whole rows move: blocks stay intact
                 shape = (int(t.shape[1]), int(t.shape[0]))
                 yield hf, GGUFBlocks(blocks, t.type_name, shape, pages), self.path.name

@@ -87,11 +87,25 @@ def test_merged_shards_pack_into_their_rows_without_staging() -> None:
     assert all(torch.equal(module.weight.tensors()[k], t) for k, t in want.tensors().items())
 
 
-def test_mixed_shards_are_staged_and_requantized_together() -> None:
+def test_mixed_shards_are_staged_unless_one_streamed_form_holds_them() -> None:
     module = PackedLinear(256, [64, 32], None, "int8")
-    module.source_types = ["Q4_K", "Q6_K"]
+    module.source_types = ["Q4_K", "Q5_0"]
     module.load_shard(0, _blocks("Q4_K", 64, 256))
     assert 0 in module._shards  # packed at finish, through routes.concat_rows
+    # Q4_K_M's merged qkv (Q4_K q, k and Q6_K v): each shard into its rows of one q6k weight, as it arrives
+    from engine.weights.q6 import Q6MWeight, q6_from_shards
+    from engine.weights.routes import concat_rows
+
+    shards = [_blocks("Q4_K", 64, 256), _blocks("Q4_K", 32, 256, seed=1), _blocks("Q6_K", 32, 256, seed=2)]
+    module = PackedLinear(256, [64, 32, 32], None, "int8")
+    module.source_types = ["Q4_K", "Q4_K", "Q6_K"]
+    for i, shard in enumerate(shards):
+        module.load_shard(i, shard)
+        assert not module._shards
+    module.finish()
+    want = Q6MWeight(*q6_from_shards(concat_rows(shards)))
+    assert type(module.weight) is Q6MWeight
+    assert all(torch.equal(module.weight.tensors()[k], t) for k, t in want.tensors().items())
 
 
 # ---------------------------------------------------------------------------------- the weight cache
