@@ -175,6 +175,14 @@ def test_an_untied_q4_k_m_like_file_keeps_its_embedding_and_head_as_the_file_has
                                                layer.mlp.down_proj)]
     assert kinds == ["Q4KWeight", "Q6Weight", "Q6MWeight", "Q6Weight"]
     assert not [n for n, _ in net.named_parameters() if "embed" in n]  # no dense copy
+    from engine.weights.gguf import GGUFModel
+    from engine.weights.memory import weight_bytes
+    from engine.weights.packing import packed_bytes
+
+    held = packed_bytes(net) + sum(p.nbytes for p in net.parameters())
+    estimate = weight_bytes(GGUFModel(path), "auto", 4)  # the memory check's: the embedding packed, not float32
+    print(f"held {held}, estimated {estimate}")
+    assert abs(estimate - held) < 0.1 * held, (estimate, held)
     ids = tok.encode(PROMPT).ids
     want = PagedHarness(dense).step(prefills=[(0, ids)])
     diff = (PagedHarness(packed).step(prefills=[(0, ids)]) - want).abs().max().item() / want.abs().max().item()
