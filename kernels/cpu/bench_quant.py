@@ -1,6 +1,6 @@
 """Our CPU quantized linears side by side, same shapes, same run: ``python -m kernels.cpu.bench_quant``.
 
-q8 (GGUF Q8_0, Q5_0), q8m (Q5_1, Q5_K), q6 and q6k (Q6_K; +m: Q4_K / Q5_K rows beside Q6_K ones) and q4
+q8 (GGUF Q8_0, Q5_0), q8m (Q5_1, Q5_K), q6k (Q6_K; +m: Q4_K / Q5_K rows beside Q6_K ones) and q4
 (Q4_0, Q4_1, Q4_K) on random weights: the best of a few interleaved rounds of median call times (other
 load on the machine hits every format alike), bits a weight, and weight bytes streamed per second.
 """
@@ -25,15 +25,12 @@ def _weights(n: int, k: int, gen: torch.Generator) -> dict[str, tuple[Callable, 
     m = ops.pack_scales(torch.rand(n, k // 32, generator=gen))
     q6_values, q6_d = ints(-32, 32, (n, k)), torch.rand(n, max(k // 256, 1), generator=gen).half()
     q6_sc = ops.pack_sub_scales(ints(-128, 128, (n, k // 16)))
-    q6 = (ops.pack_q8(q6_values), ops.pack_scales(q6_d.float()), q6_sc)
     q6k = (ops.pack_q6k(q6_values), ops.pack_scales(q6_d), q6_sc) if k % 256 == 0 else ()
     nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     q8 = ops.pack_q8(ints(-127, 128, (n, k)))
     formats = {"q8 f16 (Q8_0, Q5_0)": (ops.q8_linear, (q8, d.half())),
             "q8 f32 (floats)": (ops.q8_linear, (q8, d)),
             "q8m (Q5_1, Q5_K)": (ops.q8m_linear, (ops.pack_q8(ints(0, 32, (n, k))), d, m)),
-            "q6 (Q6_K)": (ops.q6_linear, q6),
-            "q6+m (K-quant mix)": (ops.q6_linear, (*q6, m)),
             "q6k (Q6_K)": (ops.q6k_linear, q6k),
             "q6k+m (K-quant mix)": (ops.q6k_linear, (*q6k, m)),
             "q4 f16 (Q4_0, Q4_1)": (ops.q4_linear, (ops.pack_q4(nibbles), d.half(), m.half())),

@@ -26,21 +26,19 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 }
 
 // x @ W.T for a packed weight given as (qs, d, m, sc) (BlockWeight.decode_operands): uint8 qs is q4, or
-// where sc is not empty q4k (uint8 sc) or q6k (int8 sc); int8 qs is q6 where sc is not empty, else q8
-// with m empty, q8m with offsets m
+// where sc is not empty q4k (uint8 sc) or q6k (int8 sc); int8 qs is q8 with m empty, q8m with offsets m
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                   const at::Tensor& sc) {
   static const auto q4 = op<Linear4>("rosechat_quant::q4_linear");
   static const auto q8 = op<Linear3>("rosechat_quant::q8_linear");
   static const auto q8m = op<Linear4>("rosechat_quant::q8m_linear");
-  static const auto q6 = op<Linear5>("rosechat_quant::q6_linear");
   static const auto q4k = op<Linear4>("rosechat_quant::q4k_linear");
   static const auto q6k = op<Linear5>("rosechat_quant::q6k_linear");
   if (qs.scalar_type() == at::kByte) {
     if (sc.numel() == 0) return q4.call(x, qs, d, m);
     return sc.scalar_type() == at::kChar ? q6k.call(x, qs, d, sc, m) : q4k.call(x, qs, d, sc);
   }
-  if (sc.numel()) return q6.call(x, qs, d, sc, m);
+  ROSECHAT_CHECK(sc.numel() == 0, "int8 weights (q8, q8m) take no sub-scales");
   return m.numel() == 0 ? q8.call(x, qs, d) : q8m.call(x, qs, d, m);
 }
 

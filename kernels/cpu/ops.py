@@ -1,4 +1,4 @@
-"""Our CPU kernels: quantized linears (quant.cpp, quant_k.cpp: q4, q4k, q8, q8m, q6, q6k blocks of 32, the
+"""Our CPU kernels: quantized linears (quant.cpp, quant_k.cpp: q4, q4k, q8, q8m, q6k blocks of 32, the
 layouts described there), the fused small layers of a decode step (layers.cpp: RMSNorm, RoPE, SiLU * up,
 the K/V write, one-query paged attention), sampling (sample.cpp), a whole Llama decode step (decode.cpp)
 and a load's repack of GGUF blocks into these layouts (repack.cpp; kernels/cpu/repack.py).
@@ -241,7 +241,7 @@ def unavailable_reason() -> str | None:
     return _build()
 
 
-_EMPTY = torch.empty(0)  # "no offsets" for q6 and q6k
+_EMPTY = torch.empty(0)  # "no offsets" for q6k
 
 
 def q4_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
@@ -269,27 +269,16 @@ def q8m_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor) -> Tensor:
     return torch.ops.rosechat_quant.q8m_linear(x, qs, d, m)
 
 
-def q6_linear(x: Tensor, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None = None) -> Tensor:
-    """x [M, K] float32 @ (qs * d * sc (+ m)).T -> [M, N] float32; qs as q8_linear's, d the scale per 256
-    weights in pack_scales' layout, sc int8 per 16 in pack_sub_scales', m (or None) per 32 as pack_scales
-    lays it out (GGUF's Q6_K, and Q4_K / Q5_K rows beside them)."""
-    return torch.ops.rosechat_quant.q6_linear(x, qs, d, sc, _EMPTY if m is None else m)
-
-
 def q6k_linear(x: Tensor, qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None = None) -> Tensor:
-    """q6_linear's product with the values in pack_q6k's layout (6 bits a value, not 8) and d float16 (Q6_K's
-    own): the same results bit for bit."""
+    """x [M, K] float32 @ (q * d * sc (+ m)).T -> [M, N] float32; q the 6-bit values in pack_q6k's layout, d
+    float16 (Q6_K's own) per 256 weights in pack_scales' layout, sc int8 per 16 in pack_sub_scales', m (or
+    None) per 32 as pack_scales lays it out (GGUF's Q6_K, and Q4_K / Q5_K rows beside them)."""
     return torch.ops.rosechat_quant.q6k_linear(x, qs, d, sc, _EMPTY if m is None else m)
 
 
 def q8m_rows(qs: Tensor, d: Tensor, m: Tensor, ids: Tensor) -> Tensor:
     """Rows ids (int64, any shape) of a q8m_linear weight as float32 [*ids.shape, K]."""
     return torch.ops.rosechat_quant.q8m_rows(qs, d, m, ids)
-
-
-def q6_rows(qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None, ids: Tensor) -> Tensor:
-    """Rows ids (int64, any shape) of a q6_linear weight as float32 [*ids.shape, K]."""
-    return torch.ops.rosechat_quant.q6_rows(qs, d, sc, _EMPTY if m is None else m, ids)
 
 
 def q6k_rows(qs: Tensor, d: Tensor, sc: Tensor, m: Tensor | None, ids: Tensor) -> Tensor:

@@ -1,26 +1,23 @@
-// GGUF's 5- and 6-bit blocks multiplied from their own values, exactly (q8m, q6: quant.cpp's q8 layout, int8):
+// GGUF's 5- and 6-bit blocks multiplied from their own values, exactly:
 //
-//   q8m: w = q * d + m per block of 32, q in 0..31: Q5_1, and Q5_K's 32-weight sub-blocks
-//        (d = d_super * sc, m = -dmin_super * mn, both exact in float32). The offset term is q4's:
-//        m times the block's sum of x.
-//   q6:  w = (d * sc) * q (+ m) per half block (16 weights), q int8, sc int8, d one per 256 weights, m
-//        (optional) one per 32: Q6_K (q in -32..31, no m), and any mix of Q4_K, Q5_K and Q6_K rows (a
-//        merged qkv whose v is Q6_K: Q4_K's and Q5_K's sub-blocks have one sc for both halves and
-//        m = -dmin * mn). sc stays int8 and d * sc is formed at run time (exact in float32: 11 x 8
-//        significant bits): 8.6 bits a weight where a float scale per 16 took 10. Each half's integer
-//        sum is scaled apart (kParts = 2): twice the folds and FMAs of q8.
-//
-//   q6k: q6's values at the file's size, 6.5625 bits a weight as in Q6_K (q6 takes 8.6). A row's
-//        super-block (8 blocks) is 6 units of 16 16-bit lanes. Block b < 6 is unit b: lane j holds
-//        element j in bits 10-15 and j + 16 in bits 4-9 (6-bit two's complement), widened by 3
-//        shifts as q6's bytes are; blocks 6 and 7 fill the 4 bits left at the bottom of units 0-2 and
-//        3-5 (element j's low 4 bits, element j + 16's, then both top 2 bits). A nibble plane and a
-//        2-bit plane (Q6_K's own split) took 12 operations a block and row, 1.75x q6's time. The
-//        values widen to the very int16 q6 holds, so every block sum, and so every result, is q6's
-//        bit for bit; sc as q6's, d the file's float16 (exact), m (optional) as q6's.
+//   q8m: quant.cpp's q8 layout (int8) with w = q * d + m per block of 32, q in 0..31: Q5_1, and Q5_K's
+//        32-weight sub-blocks (d = d_super * sc, m = -dmin_super * mn, both exact in float32). The
+//        offset term is q4's: m times the block's sum of x.
+//   q6k: w = (d * sc) * q (+ m) per half block (16 weights), q 6-bit, sc int8, d the file's float16
+//        one per 256 weights, m (optional) one per 32: Q6_K (q in -32..31, no m), and any mix of Q4_K,
+//        Q5_K and Q6_K rows (a merged qkv whose v is Q6_K: Q4_K's and Q5_K's sub-blocks have one sc for
+//        both halves and m = -dmin * mn). d * sc is formed at run time (exact in float32: 11 x 8
+//        significant bits). Each half's integer sum is scaled apart (kParts = 2): twice the folds and
+//        FMAs of q8. 6.5625 bits a weight, as in Q6_K: a row's super-block (8 blocks) is 6 units of
+//        16 16-bit lanes. Block b < 6 is unit b: lane j holds element j in bits 10-15 and j + 16 in
+//        bits 4-9 (6-bit two's complement), widened by 3 shifts; blocks 6 and 7 fill the 4 bits left at
+//        the bottom of units 0-2 and 3-5 (element j's low 4 bits, element j + 16's, then both top 2
+//        bits). A nibble plane and a 2-bit plane (Q6_K's own split) took 12 operations a block and row,
+//        1.75x the time of the values held as int8 (8.6 bits a weight, which this form replaced with the
+//        same bits out).
 //
 // Q5_0 ((q - 16) * d) is plain q8. The AVX-512 variant differs only where quant.h's block_dot does
-// (VNNI, q8m); q6's and q6k's half sums are single multiply-adds in both.
+// (VNNI, q8m); q6k's half sums are single multiply-adds in both.
 #include <torch/library.h>
 
 #include "tile.h"
@@ -38,7 +35,7 @@ struct Q8M : Q8<> {
 
 // d * sc of block b's half `part` for rows o..o+R in the tile's lanes. sc int8 [ceil(N/8), K/32, 2, 8]
 // (cpu_ops.pack_sub_scales): a group's 8 rows' scales of block b's first half, then of its second; d
-// float32 (q6) or float16 (q6k) [ceil(N/8), K/256, 8] (cpu_ops.pack_scales of [N, K/256])
+// float16 [ceil(N/8), K/256, 8] (cpu_ops.pack_scales of [N, K/256])
 template <int R, typename S>
 inline __m256 sub_scale(const S* d, const int8_t* sc, int64_t nb, int64_t o, int64_t b, int part, __m256i w_index) {
   const int64_t g = o / kLanes;
@@ -47,20 +44,6 @@ inline __m256 sub_scale(const S* d, const int8_t* sc, int64_t nb, int64_t o, int
   if constexpr (R == kLanes) return s;
   else return _mm256_permutevar8x32_ps(s, w_index);  // o's own lane (R = 1), or rows o..o+R
 }
-
-struct Q6 : Q8<> {
-  const int8_t* sc;
-  template <int R>
-  __m256 scale(int64_t o, int64_t b, int part, __m256i w_index) const { return sub_scale<R>(d, sc, nb, o, b, part, w_index); }
-  static constexpr int kParts = 2;
-};
-
-struct Q6M : Q6 {
-  const float* m;
-  template <int R>
-  __m256 offset(int64_t o, int64_t b, __m256i w_index) const { return block_lanes<R>(m, nb, o, b, w_index); }
-  static constexpr bool kOffset = true;
-};
 
 struct Q6K : Rows {
   const uint16_t* d;
@@ -114,22 +97,7 @@ Q8M q8m_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   return Q8M{w, m.data_ptr<float>()};
 }
 
-Q6 q6_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
-  ROSECHAT_CHECK(qs.scalar_type() == at::kChar && qs.dim() == 2 && qs.size(1) % 256 == 0,
-              "q6 weight: int8 [N, K], K a multiple of 256");
-  const int64_t n = qs.size(0), nb = qs.size(1) / kBlock;
-  ROSECHAT_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(0) == (n + 7) / 8 &&
-                  d.size(1) == nb / 8 && d.size(2) == kLanes,
-              "q6 super-block scales: contiguous float32 [ceil(N/8), K/256, 8] (cpu_ops.pack_scales)");
-  ROSECHAT_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 4 && sc.size(0) == (n + 7) / 8 &&
-                  sc.size(1) == nb && sc.size(2) == 2 && sc.size(3) == kLanes,
-              "q6 sub-scales: contiguous int8 [ceil(N/8), K/32, 2, 8] (cpu_ops.pack_sub_scales)");
-  ROSECHAT_CHECK(qs.is_contiguous(), "q6 weight: contiguous (cpu_ops.pack_q8)");
-  const Q8<> w{Rows{reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()), n, qs.size(1)}, d.data_ptr<float>(), nb};
-  return Q6{w, sc.data_ptr<int8_t>()};
-}
-
-// qs uint8 [N, 3K/4] (cpu_ops.pack_q6k), d float16 [ceil(N/8), K/256, 8], sc as q6's
+// qs uint8 [N, 3K/4] (cpu_ops.pack_q6k), d float16 [ceil(N/8), K/256, 8], sc int8 [ceil(N/8), K/32, 2, 8]
 Q6K q6k_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc) {
   ROSECHAT_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % 192 == 0,
               "q6k weight: contiguous uint8 [N, 3K/4] (cpu_ops.pack_q6k), K a multiple of 256");
@@ -160,16 +128,6 @@ at::Tensor q8m_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   return blocked_linear(x, w);
 }
 
-// m empty: no offsets
-at::Tensor q6_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc,
-                     const at::Tensor& m) {
-  const Q6 w = q6_weight(qs, d, sc);
-  check_x(x, w.nb * kBlock);
-  if (m.numel() == 0) return blocked_linear(x, w);
-  check_scales(m, w.n, w.nb, "q6 offsets");
-  return blocked_linear(x, Q6M{w, m.data_ptr<float>()});
-}
-
 // Rows as gguf's dequantizer rounds them: q * d + m (a product, then a sum); (d * sc) * q (+ m)
 at::Tensor q8m_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, const at::Tensor& ids) {
   const Q8M w = q8m_weight(qs, d, m);
@@ -188,37 +146,7 @@ at::Tensor q8m_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor&
   });
 }
 
-at::Tensor q6_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc, const at::Tensor& m,
-                   const at::Tensor& ids) {
-  const Q6 w = q6_weight(qs, d, sc);
-  const int64_t nb = w.nb;
-  if (m.numel()) check_scales(m, w.n, nb, "q6 offsets");
-  const float* offsets = m.numel() ? m.data_ptr<float>() : nullptr;
-  return weight_rows(w, nb * kBlock, ids, [&](int64_t r, float* out) {
-    const uint8_t* row = w.row(r);
-    const int64_t stride = w.stride(r), g = r / kLanes, lane = r % kLanes;
-    for (int64_t b = 0; b < nb; ++b, out += kBlock) {
-      const int8_t* block = reinterpret_cast<const int8_t*>(row + b * stride);
-      const float super = w.d[(g * (nb / 8) + b / 8) * kLanes + lane];
-      const float lo = super * static_cast<float>(w.sc[((g * nb + b) * 2) * kLanes + lane]);
-      const float hi = super * static_cast<float>(w.sc[((g * nb + b) * 2 + 1) * kLanes + lane]);
-      if (offsets) {
-        const float mb = scale_of(offsets, nb, r, b);
-        for (int j = 0; j < 16; ++j) {
-          out[j] = lo * static_cast<float>(block[2 * j]) + mb;
-          out[j + 16] = hi * static_cast<float>(block[2 * j + 1]) + mb;
-        }
-      } else {
-        for (int j = 0; j < 16; ++j) {
-          out[j] = lo * static_cast<float>(block[2 * j]);
-          out[j + 16] = hi * static_cast<float>(block[2 * j + 1]);
-        }
-      }
-    }
-  });
-}
-
-// As q6_rows rounds them: (d * sc) * q (+ m)
+// As gguf rounds them: (d * sc) * q (+ m)
 at::Tensor q6k_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& sc, const at::Tensor& m,
                     const at::Tensor& ids) {
   const Q6K w = q6k_weight(qs, d, sc);
@@ -235,7 +163,7 @@ at::Tensor q6k_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor&
       const float mb = offsets ? scale_of(offsets, nb, r, b) : 0.0f;
       for (int j = 0; j < kBlock; ++j) {
         const float v = half[j / 16] * static_cast<float>(w.value(row, stride, b, j));
-        out[j] = offsets ? v + mb : v;  // no + 0.0f without offsets: -0.0 stays -0.0, as in q6_rows
+        out[j] = offsets ? v + mb : v;  // no + 0.0f without offsets: -0.0 stays -0.0
       }
     }
   });
@@ -245,9 +173,7 @@ at::Tensor q6k_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(rosechat_quant, lib) {
   lib.def("q8m_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor", &q8m_linear);
-  lib.def("q6_linear(Tensor x, Tensor qs, Tensor d, Tensor sc, Tensor m) -> Tensor", &q6_linear);
   lib.def("q8m_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor", &q8m_rows);
-  lib.def("q6_rows(Tensor qs, Tensor d, Tensor sc, Tensor m, Tensor ids) -> Tensor", &q6_rows);
   lib.def("q6k_linear(Tensor x, Tensor qs, Tensor d, Tensor sc, Tensor m) -> Tensor", &q6k_linear);
   lib.def("q6k_rows(Tensor qs, Tensor d, Tensor sc, Tensor m, Tensor ids) -> Tensor", &q6k_rows);
 }

@@ -1,8 +1,8 @@
 """The K-quant formats against a float64 reference: q8m (int8 with a scale and an offset per block of 32:
-GGUF's Q5_1 / Q5_K), q6 (int8 with an int8 scale per 16 times a scale per 256, optional offsets: Q6_K,
-and Q4_K / Q5_K rows beside it) and q6k (q6's values in 6 bits, the scale per 256 float16) in
-kernels/cpu/quant_k.cpp, and q4k (nibbles with Q4_K's own 6-bit scales and mins and float16 super-block
-scales) in quant.cpp: every tile shape, batch invariance, row lookups; q6k gives q6's results bit for bit."""
+GGUF's Q5_1 / Q5_K) and q6k (6-bit values with an int8 scale per 16 times a float16 scale per 256, optional
+offsets: Q6_K, and Q4_K / Q5_K rows beside it) in kernels/cpu/quant_k.cpp, and q4k (nibbles with Q4_K's own
+6-bit scales and mins and float16 super-block scales) in quant.cpp: every tile shape, batch invariance, row
+lookups."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _q8m(n: int, k: int, gen: torch.Generator):
     return packed, w, rows, cpu_ops.q8m_linear, cpu_ops.q8m_rows
 
 
-def _q6(n: int, k: int, gen: torch.Generator, offsets: bool = False, packed6: bool = False):
+def _q6k(n: int, k: int, gen: torch.Generator, offsets: bool = False):
     q = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen)  # Q6_K's values
     d = (torch.rand(n, k // 256, generator=gen) * 1e-3).half().float()  # fp16 in the file
     sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen)
@@ -44,11 +44,9 @@ def _q6(n: int, k: int, gen: torch.Generator, offsets: bool = False, packed6: bo
         rows = (rows.view(n, -1, 32) + m[..., None]).view(n, k)
         w = (w.view(n, -1, 32) + m.double()[..., None]).view(n, k)
     offsets_packed = None if m is None else cpu_ops.pack_scales(m)
-    if packed6:  # q6k: the values in 6 bits, d float16 (its values are: exact)
-        packed = (cpu_ops.pack_q6k(q), cpu_ops.pack_scales(d.half()), cpu_ops.pack_sub_scales(sc), offsets_packed)
-        return packed, w, rows, cpu_ops.q6k_linear, cpu_ops.q6k_rows
-    packed = (cpu_ops.pack_q8(q), cpu_ops.pack_scales(d), cpu_ops.pack_sub_scales(sc), offsets_packed)
-    return packed, w, rows, cpu_ops.q6_linear, cpu_ops.q6_rows
+    # the values in 6 bits, d float16 (its values are: exact)
+    packed = (cpu_ops.pack_q6k(q), cpu_ops.pack_scales(d.half()), cpu_ops.pack_sub_scales(sc), offsets_packed)
+    return packed, w, rows, cpu_ops.q6k_linear, cpu_ops.q6k_rows
 
 
 def _q4k(n: int, k: int, gen: torch.Generator):
@@ -66,32 +64,13 @@ def _q4k(n: int, k: int, gen: torch.Generator):
     return packed, w, rows, cpu_ops.q4k_linear, cpu_ops.q4k_rows
 
 
-FORMATS = {"q8m": _q8m, "q6": _q6, "q6+m": lambda n, k, gen: _q6(n, k, gen, offsets=True),
-           "q6k": lambda n, k, gen: _q6(n, k, gen, packed6=True),
-           "q6k+m": lambda n, k, gen: _q6(n, k, gen, offsets=True, packed6=True), "q4k": _q4k}
-
-
-@pytest.mark.parametrize("offsets", [False, True])
-def test_q6k_is_q6_bit_for_bit(offsets: bool) -> None:
-    """The same weights as q6 (int8 values) and q6k (6-bit values, float16 d): the same integer block sums
-    and float steps, so the same results, at every tile shape (rows of x in 8s, 4s, 2s and 1s; weight rows
-    not a multiple of 8), and the same rows."""
-    for n, k in ((37, 256), (9, 1536), (64, 512), (3, 2048)):
-        seed = n * 7 + k
-        q6 = _q6(n, k, torch.Generator().manual_seed(seed), offsets)
-        q6k = _q6(n, k, torch.Generator().manual_seed(seed), offsets, packed6=True)
-        gen = torch.Generator().manual_seed(seed)
-        for rows in (1, 2, 3, 4, 7, 8, 9, 17):
-            x = torch.randn(rows, k, generator=gen)
-            assert torch.equal(q6k[3](x, *q6k[0]), q6[3](x, *q6[0])), (n, k, rows)
-        ids = torch.arange(n)
-        assert torch.equal(q6k[4](*q6k[0], ids), q6[4](*q6[0], ids))
-        assert q6k[0][0].nbytes * 8 == 6 * n * k  # the values in 6 bits
+FORMATS = {"q8m": _q8m, "q6k": _q6k, "q6k+m": lambda n, k, gen: _q6k(n, k, gen, offsets=True), "q4k": _q4k}
 
 
 def test_q6k_takes_the_files_bits() -> None:
-    """Q6_K's 6.5625 bits a weight (210 bytes a super-block), as in the file; q6 took 8.625."""
-    (qs, d, sc, _), *_ = _q6(64, 1024, torch.Generator().manual_seed(0), packed6=True)
+    """Q6_K's 6.5625 bits a weight (210 bytes a super-block), as in the file (the int8 values took 8.625)."""
+    (qs, d, sc, _), *_ = _q6k(64, 1024, torch.Generator().manual_seed(0))
+    assert qs.nbytes * 8 == 6 * 64 * 1024  # the values in 6 bits
     assert (qs.nbytes + d.nbytes + sc.nbytes) * 8 / (64 * 1024) == 6.5625
 
 
@@ -108,7 +87,7 @@ def test_matches_float64_reference(fmt: str, rows: int, k: int, n: int) -> None:
     exact, emulated = x.double() @ w.T, _quantized_x(x) @ w.T
     scale = exact.abs().max().item()
     assert (y.double() - emulated).abs().max().item() < 1e-5 * scale  # integer sums exact: fp32 accumulation
-    # int16 activations: ~1e-5 of the output's range (q6's random scales, -128..127 per 16, make a few
+    # int16 activations: ~1e-5 of the output's range (q6k's random scales, -128..127 per 16, make a few
     # outputs large beside the outlier block's coarser steps: up to 1.2e-4 measured)
     assert (y.double() - exact).abs().max().item() < 3e-4 * scale
 
@@ -140,16 +119,9 @@ def test_rows_read_back_as_the_blocks_dequantized(fmt: str, n: int) -> None:
 
 def test_bad_inputs_are_refused_clearly() -> None:
     gen = torch.Generator().manual_seed(0)
-    (qs, d, sc, _), *_ = _q6(8, 256, gen)
+    (qs, d, sc, _), *_ = _q6k(8, 256, gen)
     with pytest.raises(RuntimeError, match="x has 128 columns; the weight takes 256"):
-        cpu_ops.q6_linear(torch.randn(2, 128), qs, d, sc)
-    with pytest.raises(RuntimeError, match="pack_sub_scales"):
-        cpu_ops.q6_linear(torch.randn(2, 256), qs, d, sc[:, :4].contiguous())
-    with pytest.raises(RuntimeError, match="q6 super-block scales"):
-        cpu_ops.q6_linear(torch.randn(2, 256), qs, cpu_ops.pack_scales(torch.ones(8, 8)), sc)
-    with pytest.raises(RuntimeError, match="q6 offsets"):
-        cpu_ops.q6_linear(torch.randn(2, 256), qs, d, sc, torch.zeros(1, 1, 8))
-    (qs, d, sc, _), *_ = _q6(8, 256, gen, packed6=True)
+        cpu_ops.q6k_linear(torch.randn(2, 128), qs, d, sc)
     with pytest.raises(RuntimeError, match="q6k super-block scales: contiguous float16"):
         cpu_ops.q6k_linear(torch.randn(2, 256), qs, d.float(), sc)
     with pytest.raises(RuntimeError, match="q6k sub-scales"):

@@ -81,12 +81,9 @@ for rows in (1, 2, 3, 4, 7, 8, 9, 17):  # every tile shape: x rows in 8s, 4s, 2s
         out[f"q8 {rows} {k} {n}"] = cpu_ops.q8_linear(x, cpu_ops.pack_q8(q8), cpu_ops.pack_scales(d))
         out[f"q8m {rows} {k} {n}"] = cpu_ops.q8m_linear(x, cpu_ops.pack_q8(q8), cpu_ops.pack_scales(d),
                                                         cpu_ops.pack_scales(m))
-        if k % 256 == 0:  # q6 and q6k: Q6_K's super-blocks, with and without offsets
+        if k % 256 == 0:  # q6k: Q6_K's super-blocks, with and without offsets
             sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen)
-            q6 = (cpu_ops.pack_q8(q8 // 4), cpu_ops.pack_scales(d[:, : k // 256]), cpu_ops.pack_sub_scales(sc))
-            out[f"q6 {rows} {k} {n}"] = cpu_ops.q6_linear(x, *q6)
-            out[f"q6m {rows} {k} {n}"] = cpu_ops.q6_linear(x, *q6, cpu_ops.pack_scales(m))
-            q6k = (cpu_ops.pack_q6k(q8 // 4), cpu_ops.pack_scales(d[:, : k // 256].half()), q6[2])
+            q6k = (cpu_ops.pack_q6k(q8 // 4), cpu_ops.pack_scales(d[:, : k // 256].half()), cpu_ops.pack_sub_scales(sc))
             out[f"q6k {rows} {k} {n}"] = cpu_ops.q6k_linear(x, *q6k)
             out[f"q6km {rows} {k} {n}"] = cpu_ops.q6k_linear(x, *q6k, cpu_ops.pack_scales(m))
 rows, vocab = 64, 5000  # sampling: every stage on, rows drawn at spread-out uniforms
