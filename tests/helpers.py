@@ -47,6 +47,13 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6),
     ),
+    # fused qkv_proj / gate_up_proj in its checkpoints; a window as Phi-3-mini-4k's (2047) has
+    "phi3": (
+        "Phi3Config",
+        dict(hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=64,
+             pad_token_id=0),
+    ),
     # MQA with head_dim 32 (not hidden/heads), a window of 8 so short prompts outgrow it, 4 layers:
     # Gemma 2 alternates sliding / global; Gemma 3's pattern is given (the default is 5 sliding : 1 global)
     "gemma2": (

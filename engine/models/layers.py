@@ -160,6 +160,9 @@ def rope_inv_freq(params: dict[str, Any], head_dim: int, max_position: int) -> t
         return _llama3_inv_freq(inv_freq, params, max_position), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(base, params, head_dim, max_position)
+    if rope_type == "longrope":  # its factor set switches with each forward's length: no fixed cos/sin table
+        raise ValueError("rope_type 'longrope' (Phi-3's 128k-context models) is not supported; "
+                         "the 4k-context variants (default RoPE) are")
     raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)")
 
 

@@ -1,4 +1,5 @@
-"""The Llama family: Llama (and SmolLM), Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+"""The Llama family: Llama (and SmolLM), Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm), Phi-3
+(q/k/v and gate/up fused in its checkpoints).
 
 Flat token batches: `forward(input_ids [T], positions [T], meta)`, no padding, no batch dim.
 q/k/v and gate/up are each one merged projection; the loader fills their rows from the
@@ -209,4 +210,19 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         return bias, bias, True
 
 
-__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Llama's graph (no biases, untied head, a sliding window on every layer when the config has one,
+    as transformers' Phi-3 masks). Its checkpoints (and GGUF files: attn_qkv, ffn_up) already hold q/k/v
+    as one qkv_proj and gate/up as one gate_up_proj, gate rows first as ours: each merged projection is
+    one shard, copied or packed whole."""
+
+    packed_modules: dict[str, tuple[str, int]] = {}  # nothing to merge: the checkpoint's tensors are ours
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        for layer in self.model.layers:
+            for merged in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+                merged.output_sizes = [merged.out_features]
+
+
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]

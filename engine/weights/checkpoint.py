@@ -85,8 +85,12 @@ def load_weights(
             continue
         # name the checkpoint tensors (q_proj, up_proj, ...) a merged parameter still lacks
         parts = param_name.split(".")
-        for part, (merged, shard) in getattr(model, "packed_modules", {}).items():
-            if merged == parts[-2] and shard not in loaded.get(param_name, set()):
+        split = {part: shard for part, (merged, shard) in getattr(model, "packed_modules", {}).items()
+                 if merged == parts[-2]}
+        if not split and param_name not in loaded:  # held whole by the checkpoint (Phi-3's qkv_proj)
+            missing.append(param_name)
+        for part, shard in split.items():
+            if shard not in loaded.get(param_name, set()):
                 missing.append(".".join([*parts[:-2], part, parts[-1]]))
     for module_name, module in packed.items():
         sizes = getattr(module, "output_sizes", [0])

@@ -12,7 +12,7 @@ from engine import LLMEngine, ModelNotFoundError, RequestError, SamplingParams
 from tests.helpers import TINY_VOCAB, TRITON_ON, drain_checked, make_tiny_model, reference_model
 
 # arch, config overrides: GQA ratio 3 with head_dim 48, head_dim 64 with a tied head and llama3
-# RoPE scaling, Qwen2 biases, Qwen3 q/k norm, Mistral, GPT-2 learned positions (tied).
+# RoPE scaling, Qwen2 biases, Qwen3 q/k norm, Mistral, Phi-3, GPT-2 learned positions (tied).
 PARITY_MODELS = {
     "llama-gqa3-hd48": ("llama", dict(hidden_size=288, num_attention_heads=6, num_key_value_heads=2)),
     "llama-tied-hd64-llama3rope": (
@@ -34,6 +34,7 @@ PARITY_MODELS = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "mistral": ("mistral", {}),
+    "phi3-window16": ("phi3", dict(sliding_window=16)),  # fused qkv / gate_up tensors, outgrown window
     "gpt2": ("gpt2", {}),
 }
 MAX_NEW = 32

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -69,6 +70,8 @@ CASES = {
                                                                             "rope_theta": 1e6}),
         {},
     ),
+    # fused qkv / gate_up checkpoint tensors, untied, a window of 8 that the prompts outgrow
+    "phi3-gqa-window8": ("phi3", dict(sliding_window=8), {}),
     "gpt2-tied": ("gpt2", dict(tie_word_embeddings=True), {}),
     "gpt2-untied-inverse-layer-scale": (
         "gpt2", dict(tie_word_embeddings=False, scale_attn_by_inverse_layer_idx=True, n_inner=96), {}
@@ -255,3 +258,37 @@ def test_weights_loaded_after_a_forward_replace_the_packed_copies(tmp_path):
     assert not torch.allclose(before[0], want[0])
     for got, ref in zip(after, want):
         torch.testing.assert_close(got, ref)
+
+
+def test_phi3_longrope_is_refused_by_name(tiny_model_factory):
+    """Phi-3's 128k models switch RoPE factor sets with each forward's length (transformers'
+    longrope): refused with the type named, not run with the wrong frequencies."""
+    half = 128 // 4 // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+            "long_factor": [2.0] * half, "original_max_position_embeddings": 64}
+    path = tiny_model_factory("phi3", rope_parameters=rope)
+    with pytest.raises(ValueError, match="rope_type 'longrope'"):
+        load_model(str(path))
+
+
+def test_phi3_fused_checkpoint_loads_packed_and_names_a_missing_tensor(tiny_model_factory, tmp_path):
+    """The fused qkv_proj / gate_up_proj tensors go whole into packed int8 weights (one shard each), and a
+    checkpoint without one is refused naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.weights.checkpoint import WeightLoadError
+
+    path = tiny_model_factory("phi3")
+    tokens = list(range(5, 30))
+    dense = PagedHarness(load_model(str(path), quantization="none")).step(prefills=[(0, tokens)])
+    packed = load_model(str(path), quantization="int8")
+    assert type(packed.model.model.layers[0].self_attn.qkv_proj).__name__ == "PackedLinear"
+    got = PagedHarness(packed).step(prefills=[(0, tokens)])
+    assert (got - dense).abs().max().item() < 0.05 * dense.abs().max().item()
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.gate_up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.1\.mlp\.gate_up_proj\.weight"):
+        load_model(str(broken), quantization="none")
