@@ -22,7 +22,7 @@ CORPUS = (
     "paris is the capital of france. you are a helpful assistant. hello there, how are you today? "
     "system user assistant: be brief and kind. one two three four five six seven eight nine ten. "
 )
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gpt2": "gpt2",
              "gemma2": "gemma2", "gemma3": "gemma3"}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 NO_KERNEL = ("Q2_K", "Q3_K")  # K-quants without a kernel of ours (random blocks too)
@@ -118,8 +118,10 @@ def write_gguf(
             _gemma_keys(writer, config)
         else:
             writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-        if g_arch == "llama":
+        if g_arch in ("llama", "phi3"):
             writer.add_rope_dimension_count(head_dim)
+        if g_arch == "phi3" and config.sliding_window:  # as llama.cpp's Phi3MiniModel converter
+            writer.add_sliding_window(config.sliding_window)
     for key, value in (sampling or {}).items():
         writer.add_float32(f"general.sampling.{key}", value)
 

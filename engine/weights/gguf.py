@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -128,6 +129,9 @@ class GGUFModel:
         if self.arch not in ARCHITECTURES:
             raise GGUFError(f"{path.name}: GGUF architecture {self.arch!r} is not supported; "
                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        if any(t.name.startswith("rope_factors_") for t in self.header.tensors):  # llama.cpp's LongRoPE factors
+            raise GGUFError(f"{path.name}: LongRoPE scaling (rope_type 'longrope', Phi-3's 128k-context models) "
+                            "is not supported; the 4k-context variants are")
         self._check_tensor_types()
 
     def _check_tensor_types(self) -> None:

@@ -53,7 +53,22 @@ def load_config(model: Any, architecture: str) -> Any:
             config.n_positions = int(ctx)
     if model.arch in _GEMMA_27B_LAYERS:
         _gemma_config(model, config)
+    if model.arch == "phi3":
+        _phi3_config(model, config)
     return config
+
+
+def _phi3_config(model: Any, config: Any) -> None:
+    """What llama.cpp's Phi-3 converter stores and transformers' GGUF mapping drops: the sliding window
+    (Phi-3-mini-4k's 2047, which the original model and llama.cpp attend within), and a rotary dimension
+    short of head_dim (Phi-4-mini's partial RoPE), kept so that the model refuses it rather than rotating
+    the whole head."""
+    if (window := model.field("phi3.attention.sliding_window")) is not None and int(window) > 0:
+        config.sliding_window = int(window)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if (dims := model.field("phi3.rope.dimension_count")) is not None and int(dims) != head_dim:
+        config.rope_parameters = {**(getattr(config, "rope_parameters", None) or {}),
+                                  "partial_rotary_factor": int(dims) / head_dim}
 
 
 def _gemma_config(model: Any, config: Any) -> None:

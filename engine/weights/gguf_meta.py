@@ -21,7 +21,7 @@ import fnmatch
 from typing import Any
 
 # the GGUF architectures (general.architecture) this mirrors transformers for
-ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3"})
+ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "gemma2", "gemma3"})
 _TIED_ANYWAY = ("falcon", "bloom")  # load_gguf_checkpoint's exceptions: tied whatever the file holds
 
 

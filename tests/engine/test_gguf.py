@@ -34,6 +34,10 @@ CASES = [
     ("qwen2", "F16", None, False, {}),
     # transformers' GGUF config ignores key_length (Qwen3Config's default head_dim is 128): match it
     ("qwen3", "BF16", None, True, {"head_dim": 128}),
+    # fused attn_qkv and ffn_up (gate rows, then up), an output.weight of its own
+    ("phi3", "F32", None, False, {}),
+    ("phi3", "F16", None, False, {}),
+    ("phi3", "Q8_0", "Q4_0", False, {}),
     ("gpt2", "F32", None, True, {"n_positions": 1024}),  # transformers reads n_ctx, not n_positions
     ("gpt2", "Q8_0", None, False, {"n_positions": 1024}),
 ]
@@ -75,11 +79,12 @@ LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_
 
 
 @pytest.mark.parametrize("arch, overrides", [("qwen3", {"head_dim": 32}), ("gpt2", {"n_positions": 256}),
-                                             ("llama", LLAMA3_ROPE)], ids=["qwen3", "gpt2", "llama3-rope"])
+                                             ("llama", LLAMA3_ROPE), ("phi3", {"sliding_window": 8})],
+                         ids=["qwen3", "gpt2", "llama3-rope", "phi3-window"])
 def test_config_keys_transformers_misses_are_read_from_the_file(gguf_dir: Path, arch, overrides) -> None:
-    """Qwen3's head_dim (attention.key_length), GPT-2's context and Llama 3's RoPE scaling (the
-    rope_freqs tensor): compared with the model the file was written from, since transformers' own
-    GGUF load gets these wrong."""
+    """Qwen3's head_dim (attention.key_length), GPT-2's context, Llama 3's RoPE scaling (the
+    rope_freqs tensor) and Phi-3's sliding window: compared with the model the file was written from,
+    since transformers' own GGUF load gets these wrong."""
     path = gguf_dir / f"{arch}-shape.gguf"
     original, tok = write_gguf(path, arch, **overrides)
     loaded = load_model(str(path), quantization="none")
@@ -87,6 +92,43 @@ def test_config_keys_transformers_misses_are_read_from_the_file(gguf_dir: Path, 
     ids = (ids * 8)[:200]  # long enough for the scaled low frequencies to matter
     got = PagedHarness(loaded, num_blocks=64).step(prefills=[(0, ids)])
     torch.testing.assert_close(got, reference_logits(original, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_phi3_fused_tensors_packed_through_our_kernels(gguf_dir: Path, qtype: str) -> None:
+    """Phi-3's fused attn_qkv and ffn_up go whole into one packed weight each: the logits and greedy
+    tokens of the dequantized load."""
+    path = gguf_dir / f"phi3-packed-{qtype}.gguf"
+    _, tok = write_gguf(path, "phi3", qtype=qtype, tie=False)
+    dense = load_model(str(path), quantization="none")
+    packed = load_model(str(path), quantization="auto", weight_cache=False)
+    layer = packed.model.model.layers[0]
+    assert not isinstance(layer.self_attn.qkv_proj.weight, torch.Tensor)  # packed, not dense
+    assert not isinstance(layer.mlp.gate_up_proj.weight, torch.Tensor)
+    ids = tok.encode(PROMPT).ids
+    want = PagedHarness(dense).step(prefills=[(0, ids)])
+    diff = (PagedHarness(packed).step(prefills=[(0, ids)]) - want).abs().max().item() / want.abs().max().item()
+    assert diff < 5e-3, diff  # the file's own blocks: int8 activations only
+    outs = [LLMEngine(loaded, EngineConfig(block_size=8, num_blocks=64)).generate(
+        [ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids for loaded in (dense, packed)]
+    assert outs[0] == outs[1]
+
+
+def test_phi3_longrope_file_is_refused_by_name(tmp_path: Path) -> None:
+    """llama.cpp stores Phi-3 128k's LongRoPE as rope_factors_long / _short tensors: refused at once."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "phi3-128k.gguf"
+    writer = gguf.GGUFWriter(path, "phi3")
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.ones(16, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="rope_type 'longrope'"):
+        resolve_model(str(path))
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(gguf_dir: Path) -> None:

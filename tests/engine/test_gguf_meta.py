@@ -25,6 +25,7 @@ CASES = {
     "mistral-named": ("llama", {"general_name": "mistral"}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
+    "phi3": ("phi3", {}),
     "gpt2": ("gpt2", {}),
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {"query_pre_attn_scalar": 32, "num_hidden_layers": 3,
