@@ -260,15 +260,17 @@ def test_weights_loaded_after_a_forward_replace_the_packed_copies(tmp_path):
         torch.testing.assert_close(got, ref)
 
 
-def test_phi3_longrope_is_refused_by_name(tiny_model_factory):
+def test_phi3_longrope_and_partial_rotary_are_refused_by_name(tiny_model_factory):
     """Phi-3's 128k models switch RoPE factor sets with each forward's length (transformers'
-    longrope): refused with the type named, not run with the wrong frequencies."""
+    longrope), Phi-4-mini rotates part of each head: both refused by name, not run with the wrong
+    frequencies."""
     half = 128 // 4 // 2
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
             "long_factor": [2.0] * half, "original_max_position_embeddings": 64}
-    path = tiny_model_factory("phi3", rope_parameters=rope)
     with pytest.raises(ValueError, match="rope_type 'longrope'"):
-        load_model(str(path))
+        load_model(str(tiny_model_factory("phi3", rope_parameters=rope)))
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        load_model(str(tiny_model_factory("phi3", partial_rotary_factor=0.75)))
 
 
 def test_phi3_fused_checkpoint_loads_packed_and_names_a_missing_tensor(tiny_model_factory, tmp_path):
