@@ -127,7 +127,7 @@ async def test_the_next_queued_message_says_it_waits_for_the_reply_above(tmp_pat
         gate.set()
         await wait_for(pilot, lambda: tab.generating and len(tab.queued) == 1, "the first one sent")
         assert _footer(tab.queued[0].view) == QUEUED_NEXT
-        await wait_for(pilot, lambda: not tab.queued and replied(tab), "the second one answered", timeout=60)
+        await wait_for(pilot, lambda: not tab.queued and replied(tab), "the second one answered")
 
 
 async def test_queued_messages_stay_marked_not_sent_when_the_model_fails_to_load(tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ async def test_tabs_stream_from_the_server_and_the_panel_draws_its_blocks(tmp_pa
         await app.action_new_tab()
         assert app.active_tab is not first
         second = await send(pilot, "what is a block?")  # once the new tab's input has the focus
-        await wait_for(pilot, lambda: replied(first) and replied(second), "both replies", timeout=60)
+        await wait_for(pilot, lambda: replied(first) and replied(second), "both replies")
         direct = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0).chat.completions.create(
             model="demo", messages=first.chat_messages()[:-1], max_tokens=12, temperature=0.0)
         assert first.messages[-1].content == direct.choices[0].message.content
@@ -76,9 +76,9 @@ async def test_the_server_dying_mid_reply_keeps_the_partial_reply_and_retry_work
             await ready(pilot)
             tab = await send(pilot, "tell me a long story")  # greedy on the demo model: no EOS
             view = tab.reply
-            await wait_for(pilot, lambda: len(view.text) > 20, "the reply to stream", timeout=60)
+            await wait_for(pilot, lambda: len(view.text) > 20, "the reply to stream")
             s.stop(grace=0)  # the stream cut at once, as a dying server does: however fast the model is
-            await wait_for(pilot, lambda: not tab.generating, "the error", timeout=60)
+            await wait_for(pilot, lambda: not tab.generating, "the error")
             partial = tab.messages[-1]
             assert partial.role == "assistant" and partial.content == view.text and len(partial.content) > 20
             assert view.has_class("-error") and "went away mid-reply" in _footer(view)
@@ -94,11 +94,10 @@ async def test_the_server_dying_mid_reply_keeps_the_partial_reply_and_retry_work
             await wait_for(pilot, lambda: tab.log_view.query(MessageView).last() is not failed, "the retry's reply")
             retry = tab.log_view.query(MessageView).last()
             # three sampled alternatives: any may end early, so the retry shows when one of them streams
-            await wait_for(pilot, lambda: max(map(len, retry.texts)) > 20 or retry.has_class("-error"), "the retry",
-                           timeout=60)
+            await wait_for(pilot, lambda: max(map(len, retry.texts)) > 20 or retry.has_class("-error"), "the retry")
             assert not retry.has_class("-error"), _footer(retry)
             await pilot.press("escape")  # 3 alternatives x 900 tokens: stop once it is shown to work
-            await wait_for(pilot, lambda: not tab.generating, "the stop", timeout=60)
+            await wait_for(pilot, lambda: not tab.generating, "the stop")
             assert tab.messages[-1].role == "assistant" and tab.messages[-1].content == retry.text
             assert tab.messages[-2].content == "are you there?" and not retry.has_class("-error")
     finally:
@@ -148,7 +147,7 @@ async def test_messages_typed_before_the_server_is_up_are_sent_once_it_answers(t
             s = start_background(create_app(LLMEngine.from_pretrained("demo", device="cpu", num_blocks=64),
                                             ServerSettings(model_name="demo", api_key=KEY)), sock=sock)
             await ready(pilot)
-            await wait_for(pilot, lambda: not tab.queued and replied(tab), "the queued message answered", timeout=60)
+            await wait_for(pilot, lambda: not tab.queued and replied(tab), "the queued message answered")
             assert [m.role for m in tab.messages] == ["user", "assistant"] and tab.messages[1].content
             assert not app.query("#loading")
     finally:
