@@ -10,12 +10,16 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.geometry import Region
 from textual.message import Message
+from textual.strip import Strip
 from textual.timer import Timer
+from textual.widget import Widget
 from textual.widgets import Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
+from textual.widgets.text_area import TextAreaTheme
 
-from rosechat.widgets.reply_markdown import ReplyMarkdown
+from rosechat.widgets.reply_markdown import LaidOutOnce, ReplyMarkdown
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 
@@ -63,6 +67,8 @@ class ChatInput(TextArea):
     def __init__(self, *, classes: str | None = None) -> None:
         super().__init__(soft_wrap=True, tab_behavior="focus", compact=True, classes=classes,
                          placeholder=self.PLACEHOLDER)
+        self._css_theme: TextAreaTheme | None = None  # the theme object its CSS was applied to, and from what
+        self._css_key: tuple[object, ...] = ()
 
     @property
     def value(self) -> str:
@@ -72,6 +78,24 @@ class ChatInput(TextArea):
     def value(self, text: str) -> None:
         self.load_text(text)
         self.move_cursor(self.document.end)
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # TextArea applies its theme's CSS (~2 ms of Python) at every call, whether a line is drawn or
+        # not: at each key typed, each cursor blink, and each frame whose changes touch the box's rows.
+        # It is applied in render_line instead, when what it reads has changed.
+        return Widget.render_lines(self, crop)
+
+    def render_line(self, y: int) -> Strip:
+        theme = self._theme
+        if theme is not None:
+            # What apply_css reads: the box's style, the app's theme, the component classes' CSS
+            # (new objects whenever the stylesheet is applied to the box), and focus, hover, disabled
+            key = (self.app.current_theme.name, self.rich_style, self._pseudo_classes_cache_key,
+                   tuple(self._component_styles.values()))
+            if theme is not self._css_theme or key != self._css_key:
+                theme.apply_css(self)
+                self._css_theme, self._css_key = theme, key
+        return super().render_line(y)
 
     def action_submit(self) -> None:
         # A priority binding runs at the app as enter arrives, ahead of the keys typed just before
@@ -109,7 +133,7 @@ class ReplyStats:
         return " · ".join(parts)
 
 
-class MessageView(Vertical):
+class MessageView(LaidOutOnce, Vertical):
     """One message. An assistant reply may hold several alternatives; one is shown at a time."""
 
     def __init__(self, role: str, content: str = "", *, n: int = 1) -> None:

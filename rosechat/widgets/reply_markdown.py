@@ -7,13 +7,18 @@ that moved repainted (10-15 ms of Python on a small CPU, twice per write since t
 then change their virtual size), while the in-process engine waits for the GIL. A paragraph that grew by
 a few words on its last line keeps its height: it needs only its own lines repainted. It asks for a
 layout when it wraps onto a new line (or shrinks), and new blocks are mounted (a layout) as before.
+That layout is the only one: the reply's widgets (``LaidOutOnce``) do not ask for a second.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from markdown_it import MarkdownIt
 from markdown_it.rules_core import StateCore
 from textual.content import Content
+from textual.geometry import Size
+from textual.widget import Widget
 from textual.widgets import Markdown
 from textual.widgets._markdown import MarkdownParagraph
 from textual.widgets.markdown import MarkdownBlock
@@ -43,7 +48,26 @@ def _hard_breaks(state: StateCore) -> None:
                 child.type = "hardbreak"
 
 
-class ReplyParagraph(MarkdownParagraph):
+# A mixin for widgets; not a widget itself: Textual finds a widget's CSS type names (its DEFAULT_CSS, and
+# queries by type) through the first widget class among its bases, which must stay Markdown, Vertical...
+_Mixin = Widget if TYPE_CHECKING else object
+
+
+class LaidOutOnce(_Mixin):
+    """A widget that grows (a streaming reply, its Markdown, its paragraphs) without a second layout each time.
+
+    When a layout changes a widget's size, Textual sets its ``virtual_size``, a reactive that asks for
+    another layout of the whole screen on the next frame. A widget that does not scroll has nothing
+    to do with it: the layout that sized it arranged its children too, so the second one finds every
+    widget where the first put it, and costs as much (half of the UI thread's time in layouts while a
+    reply streams, by `rosechat bench app`'s profile). Set without the reactive's refresh, it is not asked for.
+    """
+
+    def _size_updated(self, size: Size, virtual_size: Size, container_size: Size, layout: bool = True) -> bool:
+        return super()._size_updated(size, virtual_size, container_size, layout=False)
+
+
+class ReplyParagraph(LaidOutOnce, MarkdownParagraph):
     """A paragraph that lays the screen out again only when its height changes."""
 
     layouts = 0  # how many of its updates asked for a layout (read by tests)
@@ -60,7 +84,7 @@ class ReplyParagraph(MarkdownParagraph):
             self.refresh(layout=True)
 
 
-class ReplyMarkdown(Markdown):
+class ReplyMarkdown(LaidOutOnce, Markdown):
     """A reply's Markdown: its paragraphs are ``ReplyParagraph``; every other block is Textual's."""
 
     BLOCKS: dict[str, type[MarkdownBlock]] = {**Markdown.BLOCKS, "paragraph_open": ReplyParagraph}
