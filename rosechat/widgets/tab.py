@@ -190,18 +190,13 @@ class ChatTab(TabPane):
     # ------------------------------------------------------------------ the reply
     async def send(self, text: str, params: SamplingParams) -> str:
         """Add a user message and start the reply; returns the request id."""
-        message = ChatMessage("user", text)
+        message = await self._user_message(text)
         self.messages.append(message)
-        # The turn goes to the engine before the message and its reply are mounted (60-130 ms of the UI
-        # thread on a 2-core machine): it computes the prompt meanwhile. Its events wait in the app's buffer,
-        # drained by the app's handler, which runs once the one that called this returns (it routes them).
-        rid = self._submit(params)
-        await self._user_message(text, message)
-        return await self.start_reply(params, rid=rid)
+        return await self.start_reply(params)
 
-    async def _user_message(self, text: str, message: ChatMessage | None = None) -> ChatMessage:
+    async def _user_message(self, text: str) -> ChatMessage:
         """A message the user sent, shown and saved (it names a new chat)."""
-        message = message or ChatMessage("user", text)
+        message = ChatMessage("user", text)
         await self.log_view.add(message)
         if self.chat_title == NEW_CHAT:
             self.chat_title = title_from(text)
@@ -237,22 +232,16 @@ class ChatTab(TabPane):
         self.messages.pop()  # the prompt is everything before it
         return await self.start_reply(params, replaces=last)
 
-    def _submit(self, params: SamplingParams) -> str:
-        """The conversation as it is now, to the backend: the turn's request id."""
-        assert self.backend is not None and self.engine_cid is not None and self._reply is None
-        return self.backend.submit_turn(self.engine_cid, self.chat_messages(), params)
-
     async def start_reply(
-        self, params: SamplingParams, replaces: ChatMessage | None = None, after: MessageView | None = None,
-        rid: str | None = None,
+        self, params: SamplingParams, replaces: ChatMessage | None = None, after: MessageView | None = None
     ) -> str:
-        """Show the reply (``rid``: its turn, already submitted) and submit it if not yet."""
-        rid = rid or self._submit(params)  # the conversation is complete: the views below do not change it
+        assert self.backend is not None and self.engine_cid is not None and self._reply is None
         if replaces is not None and replaces.view is not None:
             view = replaces.view
             await view.reset(params.n)
         else:  # after the message it answers: queued ones may follow it
             view = await self.log_view.add(ChatMessage("assistant", ""), n=params.n, after=after)
+        rid = self.backend.submit_turn(self.engine_cid, self.chat_messages(), params)
         self._reply = ActiveReply(rid, view, replaces)
         self.generating = True
         self._reply.begin()
