@@ -11,7 +11,6 @@ update per reply per frame, not one message per token.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.events import (
@@ -54,16 +53,11 @@ class EventBuffer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._events: list[Event] = []
-        # Called (on the pushing thread) when a reply ends: the UI drains then, not at its next tick (up to
-        # 1/30 s later, with the reply shown as still generating). Must not block.
-        self.on_end: Callable[[], None] | None = None
 
     def push(self, event: Event | ServerStats | LoadProgress) -> None:
         """Engine thread: O(1), no allocation beyond the list slot."""
         with self._lock:
             self._events.append(event)
-        if self.on_end is not None and isinstance(event, (Finished, EngineError)):
-            self.on_end()
 
     @property
     def pending(self) -> bool:
