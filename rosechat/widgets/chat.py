@@ -90,8 +90,10 @@ class ChatInput(TextArea):
         if theme is not None:
             # What apply_css reads: the box's style, the app's theme, the component classes' CSS
             # (new objects whenever the stylesheet is applied to the box), and focus, hover, disabled
-            key = (self.app.current_theme.name, self.rich_style, self._pseudo_classes_cache_key,
-                   tuple(self._component_styles.values()))
+            # (private attributes of Textual 8's: where one is gone, a fresh object() makes every call apply)
+            styles = getattr(self, "_component_styles", None)
+            key = (self.app.current_theme.name, self.rich_style, getattr(self, "_pseudo_classes_cache_key", object()),
+                   tuple(styles.values()) if isinstance(styles, dict) else object())
             if theme is not self._css_theme or key != self._css_key:
                 theme.apply_css(self)
                 self._css_theme, self._css_key = theme, key
