@@ -125,11 +125,12 @@ class Q6Weight(BlockWeight):
             cpu_repack.q6k(block_view(source, _BLOCK_BYTES[source.type_name]), qs, d, sc, m)
             return
         q, d_rows, sc_rows, m_rows = q6_from_blocks(source)
-        qs.copy_(cpu_ops.pack_q6k(q))
-        d.copy_(cpu_ops.pack_scales(exact_scales(d_rows, torch.float16)))
-        sc.copy_(cpu_ops.pack_sub_scales(sc_rows))
-        if m is not None:
-            m.copy_(cpu_ops.pack_scales(m_rows if m_rows is not None else d_rows.new_zeros(n, sc_rows.shape[1] // 2)))
+        if m is not None and m_rows is None:  # Q6_K rows in a weight with offsets: theirs are 0
+            m_rows = d_rows.new_zeros(n, sc_rows.shape[1] // 2)
+        part = Q6Weight.of(q, d_rows, sc_rows, None if m is None else m_rows)  # packed as __init__ packs
+        for dst, src in ((qs, part.qs), (d, part.d), (sc, part.sc), (m, part.m)):
+            if dst is not None:
+                dst.copy_(src)
 
     def _matmul(self, x: Tensor) -> Tensor:
         return cpu_ops.q6k_linear(x, self.qs, self.d, self.sc, self.m)

@@ -9,6 +9,17 @@
 
 namespace rosechat::quant {
 
+// The group's unit kPrefetch bytes on from block b's (row: the group's first row): a span of kSpanBlocks
+// blocks takes kSpanUnits 32-byte units (q6k: 8 blocks, 6 units), so its first blocks fetch them
+template <typename W>
+inline void prefetch(const uint8_t* row, int64_t stride, int64_t b) {
+  if (b % W::kSpanBlocks < W::kSpanUnits) {
+    const int64_t u = b / W::kSpanBlocks * W::kSpanUnits + b % W::kSpanBlocks;
+    const char* unit = reinterpret_cast<const char*>(row + u * stride);
+    for (int line = 0; line < 4; ++line) _mm_prefetch(unit + kPrefetch + 64 * line, _MM_HINT_T0);
+  }
+}
+
 // Weight rows o..o+R (within one group of 8) against x rows r0..r0+T, R * T = 8: lane i * T + t of one
 // accumulator holds output (o + i, r0 + t). Per block, each lane adds its exact integer block sum times
 // (weight scale * x scale) in one FMA (per part: Q6's two halves, two), and with an offset m its
@@ -32,14 +43,7 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, flo
   __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();  // two chains of FMAs, not one
   for (int64_t b = 0; b < nb; ++b) {
     const int16_t* xb = x + b * xq.rows * kBlock;  // block b of x row r0, row r0 + t 32 values on
-    if constexpr (T == 1) {  // a group's unit kPrefetch bytes on (wider tiles revisit units: no need)
-      // a span of kSpanBlocks blocks takes kSpanUnits units (q6k: 8 blocks, 6 units): its first blocks fetch them
-      if (b % W::kSpanBlocks < W::kSpanUnits) {
-        const int64_t u = b / W::kSpanBlocks * W::kSpanUnits + b % W::kSpanBlocks;
-        const char* unit = reinterpret_cast<const char*>(rows[0] + u * stride);
-        for (int line = 0; line < 4; ++line) _mm_prefetch(unit + kPrefetch + 64 * line, _MM_HINT_T0);
-      }
-    }
+    if constexpr (T == 1) prefetch<W>(rows[0], stride, b);  // wider tiles revisit units: no need
     Sums<P> total;  // output l = i * T + t: weight row i times x row t
     if constexpr (T == 1) {  // 8 rows: sums folded as they come (8 live sums and rows would spill)
       const auto sum = [&](int i) {
@@ -78,7 +82,7 @@ inline void tile(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, flo
 // CPU with 512-bit units, ~1.75x fewer instructions a block than tile<8, 1>). The integer sums are
 // the same integers, folded in another order, and scaled by the very same FMAs: bit for bit
 // tile<8, 1>'s result. Where 512-bit operations are split in two (Zen 4) it measured slower:
-// wide_tiles() times both once and keeps the faster. For a format with a widen512 and one part.
+// kernels/cpu/tiles.py times both once and keeps the faster. For a format with a widen512 and one part.
 template <typename W>
 concept WideFormat = W::kParts == 1 && requires(const uint8_t* p, __m512i v) { W::widen512(p, int64_t{}, int64_t{}, v, v); };
 
@@ -103,11 +107,7 @@ inline void tile_wide(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0
   __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const int16_t* xb = x + b * xq.rows * kBlock;
-    if (b % W::kSpanBlocks < W::kSpanUnits) {
-      const int64_t u = b / W::kSpanBlocks * W::kSpanUnits + b % W::kSpanBlocks;
-      const char* unit = reinterpret_cast<const char*>(rows + u * stride);
-      for (int line = 0; line < 4; ++line) _mm_prefetch(unit + kPrefetch + 64 * line, _MM_HINT_T0);
-    }
+    prefetch<W>(rows, stride, b);
     const __m512i x_lo = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
     const __m512i x_hi = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
     const auto sum = [&](int i) {  // rows 2i and 2i + 1: 8 partial sums each
@@ -128,7 +128,8 @@ inline void tile_wide(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0
 }
 #endif
 
-// Whether one-row tiles run on 512-bit vectors (tile_wide): set by set_wide_tiles (a probe or a test)
+// Whether one-row tiles run on 512-bit vectors (tile_wide): set through quant.cpp's tile_bits (the load's
+// timing, kernels/cpu/tiles.py, or a test)
 inline std::atomic<bool>& wide_tiles_flag() {
   static std::atomic<bool> flag{false};
   return flag;
