@@ -71,6 +71,7 @@ struct Q4 : Rows {
   static constexpr bool kOffset = true;
   static constexpr int kParts = 1;
   static constexpr int kSpanBlocks = 2, kSpanUnits = 1;
+  static constexpr int kUnitBlocks = 2;  // blocks a unit holds, as tile_outer reads them
 };
 
 // qs uint8 [N, ceil(K/64) * 32] (block pairs, cpu_ops.pack_q4); d and m [ceil(N/8), K/32, 8], both float32
@@ -128,6 +129,7 @@ struct Q4K : Rows {
   static constexpr bool kOffset = true;
   static constexpr int kParts = 1;
   static constexpr int kSpanBlocks = 2, kSpanUnits = 1;
+  static constexpr int kUnitBlocks = 2;  // blocks a unit holds, as tile_outer reads them
 };
 
 Q4K q4k_weight(const at::Tensor& qs, const at::Tensor& dd, const at::Tensor& sc) {
@@ -244,8 +246,20 @@ int64_t tile_bits(int64_t mode) {
   return wide_tiles_flag().load() ? 512 : 256;
 }
 
+// mode 1 or 0: several rows of x on outer tiles or on the folding ones (the avx512 variant; the avx2 one
+// has only the folding tiles); any other value leaves them. Returns whether outer tiles are in use.
+int64_t outer_tiles_mode(int64_t mode) {
+#ifdef ROSECHAT_AVX512
+  if (mode == 0 || mode == 1) outer_tiles_flag().store(mode == 1);
+  return outer_tiles_flag().load();
+#else
+  return 0;
+#endif
+}
+
 TORCH_LIBRARY(rosechat_quant, lib) {
   lib.def("tile_bits(int mode) -> int", &tile_bits);
+  lib.def("outer_tiles(int mode) -> int", &outer_tiles_mode);
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor", &q4_linear);
   lib.def("q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor", &q8_linear);
   lib.def("q4_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor", &q4_rows);

@@ -241,6 +241,7 @@ struct Q8 : Rows {
   static constexpr bool kOffset = false;
   static constexpr int kParts = 1;
   static constexpr int kSpanBlocks = 1, kSpanUnits = 1;
+  static constexpr int kUnitBlocks = 1;  // blocks a unit holds, as tile_outer reads them
 };
 
 // qs int8 [N, K] (cpu_ops.pack_q8's order); d float32 (or float16: S) [ceil(N/8), K/32, 8]

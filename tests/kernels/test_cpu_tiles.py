@@ -1,6 +1,8 @@
-"""One-row tiles on 512-bit vectors (quant.h tile_wide, the avx512 variant) give the 256-bit tiles' bits for
-every format that has them, at every row count and with a last group of fewer than 8 rows (those rows stay
-on 256-bit tiles); kernels/cpu/tiles.py keeps the width that times faster, or the one forced.
+"""The avx512 variant's other tiles give the 256-bit folding tiles' bits: one-row tiles on 512-bit vectors
+(tile.h tile_wide) for every format that has them, at every row count and with a last group of fewer than 8
+rows (those rows stay on 256-bit tiles), and the outer tiles (tile.h tile_outer) of several rows of x, one
+group or two at a time, for every format; kernels/cpu/tiles.py keeps the width that times faster, or the
+one forced.
 
 The suite is pinned to one variant per process: on the avx2 variant the width cannot change (checked here);
 tests/kernels/test_isa_paths.py runs this file again on the avx512 variant where the CPU has it."""
@@ -39,6 +41,10 @@ def _formats(n: int, k: int, gen: torch.Generator) -> dict[str, tuple[Callable, 
                "q8": (cpu_ops.q8_linear, (q8, d)), "q8 f16": (cpu_ops.q8_linear, (q8, d.half())),
                "q8m": (cpu_ops.q8m_linear, (cpu_ops.pack_q8(ints(0, 32, (n, k))), d, m))}
     if k % 256 == 0:
+        q6_d = cpu_ops.pack_scales(torch.rand(n, k // 256, generator=gen).half())
+        q6 = (cpu_ops.pack_q6k(ints(-32, 32, (n, k))), q6_d, cpu_ops.pack_sub_scales(ints(-128, 128, (n, k // 16))))
+        formats["q6k"] = (cpu_ops.q6k_linear, q6)
+        formats["q6k+m"] = (cpu_ops.q6k_linear, (*q6, m))
         formats["q4k"] = (cpu_ops.q4k_linear,
                           (q4, cpu_ops.pack_sub_scales(torch.rand(n, k // 128, generator=gen).half()),
                            cpu_ops.pack_sub_scales(ints(0, 64, (n, k // 16)).to(torch.uint8))))
@@ -69,6 +75,37 @@ def test_wide_tiles_give_the_narrow_tiles_bits(n: int, k: int) -> None:
                     assert (wide.double() - ref).abs().max() <= 1e-3 * ref.abs().max() + 1e-6, name
     finally:
         cpu_tiles.set_bits(before)
+
+
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (13, 96), (40, 256), (203, 512), (576, 576)])
+def test_outer_tiles_give_the_folding_tiles_bits(n: int, k: int) -> None:
+    """Several rows of x on outer tiles (weight rows transposed once a block, VNNI sums straight into them),
+    at 256 and 512 bits, against the folding tiles: every format, every count of rows left after the tiles of
+    8 (a check of k guesses is k + 1 rows), weights of a short last group and an odd count of groups; the
+    same tensors bit for bit, and q8 near a float64 product."""
+    outer = torch.ops.rosechat_quant.outer_tiles
+    if _running_isa() != "avx512":
+        assert outer(1) == 0  # the avx2 variant has only the folding tiles
+        return
+    gen = torch.Generator().manual_seed(n + k)
+    bits_before, outer_before = cpu_tiles.set_bits(0), outer(-1)
+    try:
+        for name, (fn, args) in _formats(n, k, gen).items():
+            for rows in (2, 3, 4, 5, 6, 7, 8, 9, 13):
+                x = torch.randn(rows, k, generator=gen)
+                assert outer(0) == 0
+                folded = fn(x, *args)
+                assert outer(1) == 1
+                for bits in (256, 512):
+                    assert cpu_tiles.set_bits(bits) == bits
+                    assert torch.equal(fn(x, *args), folded), (name, rows, bits)
+            if name == "q8":
+                w = cpu_ops.q8_rows(args[0], args[1], torch.arange(n)).double()
+                ref = x.double() @ w.T
+                assert (fn(x, *args).double() - ref).abs().max() <= 1e-3 * ref.abs().max() + 1e-6
+    finally:
+        cpu_tiles.set_bits(bits_before)
+        outer(outer_before)
 
 
 def test_the_width_is_the_faster_or_the_forced_one(monkeypatch) -> None:
