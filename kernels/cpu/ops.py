@@ -39,7 +39,8 @@ from kernels.cpu.layouts import (  # noqa: F401 (the packers, here for the calle
 BLOCK = 32
 _SOURCES = [Path(__file__).with_name(f)
             for f in ("quant.cpp", "quant_k.cpp", "layers.cpp", "sample.cpp", "decode.cpp", "repack.cpp")]
-_HEADERS = [Path(__file__).with_name(f) for f in ("quant.h", "tile.h", "pool.h", "check.h", "vec.h")]
+_HEADERS = [Path(__file__).with_name(f)
+            for f in ("quant.h", "tile.h", "outer.h", "linear.h", "pool.h", "check.h", "vec.h")]
 log = logging.getLogger(__name__)
 
 

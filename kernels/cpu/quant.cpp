@@ -29,7 +29,7 @@
 // through pool.h, so it honours torch.set_num_threads.
 #include <torch/library.h>
 
-#include "tile.h"
+#include "linear.h"
 
 namespace {
 

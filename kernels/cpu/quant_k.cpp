@@ -20,7 +20,7 @@
 // (VNNI, q8m); q6k's half sums are single multiply-adds in both.
 #include <torch/library.h>
 
-#include "tile.h"
+#include "linear.h"
 
 namespace {
 

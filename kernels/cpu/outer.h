@@ -1,0 +1,230 @@
+// The outer tiles of the avx512 variant: several rows of x against 8 or 16 weight rows with no fold per
+// row of x (tile_outer below); linear.h runs them where x has rows enough.
+#pragma once
+
+#include "tile.h"
+
+namespace rosechat::quant {
+
+#ifdef ROSECHAT_AVX512
+// Several rows of x (a prefill chunk, a speculative check, a batch of decodes): the tiles above fold
+// each weight row's 8 partial sums per block and row of x, work that grows with the rows of x. Here
+// the weight rows are turned instead, once a block for every row of x: widened as the one-row tiles
+// widen them, then transposed so that lane r of vector m holds pair m (elements 2m, 2m + 1) of row r,
+// and each row of x adds 16 VNNI multiply-adds a block, its pairs broadcast from memory, straight into
+// the block sums of 8 (16 on 512-bit vectors) weight rows: no fold. The sums are the same integers and
+// are scaled by the same FMAs in the same order as tile's: the same bits, batch invariance kept.
+using Pair = int32_t __attribute__((may_alias));  // two int16 values of x, read as one (embedded broadcast)
+
+template <int N>  // lanes: weight rows a vector holds (8: 256-bit vectors, one group; 16: 512-bit, two)
+struct Lanes;
+
+template <>
+struct Lanes<8> {
+  using I = __m256i;
+  using F = __m256;
+  static I pick(I a, I index, I b) { return _mm256_permutex2var_epi32(a, index, b); }
+  static I steps(int first) { return _mm256_setr_epi32(first, first + 2, first + 4, first + 6, first + 8, first + 10,
+                                                        first + 12, first + 14); }
+  static I dot(I acc, I w, const int16_t* x) {
+    return _mm256_dpwssd_epi32(acc, w, _mm256_set1_epi32(*reinterpret_cast<const Pair*>(x)));
+  }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I set16(int16_t v) { return _mm256_set1_epi16(v); }
+  static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I srai16(I a, int n) { return _mm256_srai_epi16(a, n); }
+  // vector i: unit u of row o + i (rows past n repeat row n - 1)
+  template <typename W>
+  static void units(const W& w, int64_t o, int64_t stride, int64_t u, I d[8]) {
+    for (int i = 0; i < 8; ++i)
+      d[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.row(std::min(o + i, w.n - 1)) + u * stride));
+  }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F addf(F a, F b) { return _mm256_add_ps(a, b); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  // vector i: row o + i's block b (rows past n repeat row n - 1, as tile's do)
+  template <typename W>
+  static void widen(const W& w, int64_t o, int64_t stride, int64_t b, I lo[8], I hi[8]) {
+    for (int i = 0; i < 8; ++i) W::widen(w.row(std::min(o + i, w.n - 1)), stride, b, lo[i], hi[i]);
+  }
+  template <typename W>
+  static F scale(const W& w, int64_t o, int64_t b, int part, __m256i index) { return w.template scale<kLanes>(o, b, part, index); }
+  template <typename W>
+  static F offset(const W& w, int64_t o, int64_t b, __m256i index) { return w.template offset<kLanes>(o, b, index); }
+  static void store(float* y, F v, int valid) {
+    if (valid == 8) return _mm256_storeu_ps(y, v);
+    _mm256_mask_storeu_ps(y, static_cast<__mmask8>((1u << valid) - 1), v);
+  }
+};
+
+template <>
+struct Lanes<16> {
+  using I = __m512i;
+  using F = __m512;
+  static I pick(I a, I index, I b) { return _mm512_permutex2var_epi32(a, index, b); }
+  static I steps(int first) {
+    return _mm512_setr_epi32(first, first + 2, first + 4, first + 6, first + 8, first + 10, first + 12, first + 14,
+                             first + 16, first + 18, first + 20, first + 22, first + 24, first + 26, first + 28, first + 30);
+  }
+  static I dot(I acc, I w, const int16_t* x) {
+    return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(*reinterpret_cast<const Pair*>(x)));
+  }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I set16(int16_t v) { return _mm512_set1_epi16(v); }
+  static I srli16(I a, int n) { return _mm512_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm512_slli_epi16(a, n); }
+  static I srai16(I a, int n) { return _mm512_srai_epi16(a, n); }
+  // vector i: unit u of rows o + 2i and o + 2i + 1 (group o's, then group o + 8's)
+  template <typename W>
+  static void units(const W& w, int64_t o, int64_t stride, int64_t u, I d[8]) {
+    for (int g = 0; g < 2; ++g)
+      for (int i = 0; i < 4; ++i) d[4 * g + i] = _mm512_loadu_si512(w.row(o + 8 * g) + u * stride + 64 * i);
+  }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F addf(F a, F b) { return _mm512_add_ps(a, b); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+  // two whole groups: vector i holds rows o + 2i and o + 2i + 1 (group o's, then group o + 8's)
+  template <typename W>
+  static void widen(const W& w, int64_t o, int64_t stride, int64_t b, I lo[8], I hi[8]) {
+    for (int g = 0; g < 2; ++g)
+      for (int i = 0; i < 4; ++i) W::widen512(w.row(o + 8 * g) + 64 * i, stride, b, lo[4 * g + i], hi[4 * g + i]);
+  }
+  template <typename W>
+  static F scale(const W& w, int64_t o, int64_t b, int part, __m256i index) {
+    return join(w.template scale<kLanes>(o, b, part, index), w.template scale<kLanes>(o + kLanes, b, part, index));
+  }
+  template <typename W>
+  static F offset(const W& w, int64_t o, int64_t b, __m256i index) {
+    return join(w.template offset<kLanes>(o, b, index), w.template offset<kLanes>(o + kLanes, b, index));
+  }
+  static void store(float* y, F v, int) { _mm512_storeu_ps(y, v); }
+};
+
+// Vectors of 8 dwords each of N / 8 rows (vector i: rows (N / 8) i on) in, vector m with lane r dword m of
+// row r out: three rounds of two-source picks, each splitting the pairs of vectors by one bit of m
+template <int N>
+inline void transpose(typename Lanes<N>::I v[8], typename Lanes<N>::I even, typename Lanes<N>::I odd) {
+  for (int bit = 1; bit < 8; bit <<= 1)
+    for (int i = 0; i < 8; ++i)
+      if (!(i & bit)) {
+        const auto a = v[i], b = v[i | bit];
+        v[i] = Lanes<N>::pick(a, even, b);
+        v[i | bit] = Lanes<N>::pick(a, odd, b);
+      }
+}
+
+// A format whose 32-byte units are q4's block pairs of nibbles (2) or q8's int8 blocks (1): its outer
+// tiles transpose the units as they are, then take each block's pairs apart (a quarter of the picks of
+// transposing widened blocks). Others (q6k) transpose what their widen gives.
+template <typename W>
+concept RawUnits = W::kUnitBlocks == 1 || W::kUnitBlocks == 2;
+
+// Block blk of a transposed unit's dwords d: pairs (2m, 2m + 1) to lo, (2m + 16, 2m + 17) to hi
+template <typename W, typename V>
+inline void unit_pairs(typename V::I d, int blk, typename V::I& lo, typename V::I& hi) {
+  if constexpr (W::kUnitBlocks == 2) {  // a 16-bit lane's nibbles: block 0's j and j + 16, then block 1's
+    const typename V::I low = V::set16(0x0F);
+    if (blk == 0) {
+      lo = V::and_(d, low);
+      hi = V::and_(V::srli16(d, 4), low);
+    } else {
+      lo = V::and_(V::srli16(d, 8), low);
+      hi = V::srli16(d, 12);
+    }
+  } else {  // a 16-bit lane's bytes: j, then j + 16
+    lo = V::srai16(V::slli16(d, 8), 8);
+    hi = V::srai16(d, 8);
+  }
+}
+
+// Weight rows o..o+N (N = 16: two whole groups) against x rows r0..r0+T
+template <int T, int N, typename W>
+inline void tile_outer(const W& w, const QuantizedRows& xq, int64_t o, int64_t r0, float* y) {
+  using V = Lanes<N>;
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int P = W::kParts;
+  const I even = V::steps(0), odd = V::steps(1);
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);  // unused by 8-row scale loads
+  const int64_t stride = w.stride(o);
+  F acc[T], offsets[T];
+  for (int t = 0; t < T; ++t) acc[t] = offsets[t] = V::zerof();
+  // block b's pairs, lo[m] and hi[m] with lane r row o + r's, against every row of x
+  const auto block = [&](int64_t b, const I lo[8], const I hi[8]) {
+    F scales[P];
+    for (int p = 0; p < P; ++p) scales[p] = V::template scale<W>(w, o, b, p, index);
+    F offset = V::zerof();
+    if constexpr (W::kOffset) offset = V::template offset<W>(w, o, b, index);
+    for (int t = 0; t < T; ++t) {
+      const int16_t* x = xq.q + (b * xq.rows + r0 + t) * kBlock;
+      I low = V::zero(), high = V::zero();  // two chains: a half's sums (P = 2 scales them apart)
+      for (int m = 0; m < 8; ++m) {
+        low = V::dot(low, lo[m], x + 2 * m);
+        high = V::dot(high, hi[m], x + 16 + 2 * m);
+      }
+      const F x_scale = V::set1(xq.d[b * xq.stride + r0 + t]);
+      if constexpr (P == 1) {
+        acc[t] = V::fma(V::cvt(V::add(low, high)), V::mul(scales[0], x_scale), acc[t]);
+      } else {
+        acc[t] = V::fma(V::cvt(low), V::mul(scales[0], x_scale), acc[t]);
+        acc[t] = V::fma(V::cvt(high), V::mul(scales[1], x_scale), acc[t]);
+      }
+      if constexpr (W::kOffset) offsets[t] = V::fma(offset, V::set1(xq.s[b * xq.stride + r0 + t]), offsets[t]);
+    }
+  };
+  if constexpr (RawUnits<W>) {
+    for (int64_t u = 0; u * W::kUnitBlocks < w.nb; ++u) {
+      I d[8];  // unit u of the rows, then dword m of them all in d[m]
+      for (int g = 0; g < N / kLanes; ++g) prefetch<W>(w.row(o + kLanes * g), stride, u * W::kUnitBlocks);
+      V::units(w, o, stride, u, d);
+      transpose<N>(d, even, odd);
+      for (int blk = 0; blk < W::kUnitBlocks && u * W::kUnitBlocks + blk < w.nb; ++blk) {
+        I lo[8], hi[8];
+        for (int m = 0; m < 8; ++m) unit_pairs<W, V>(d[m], blk, lo[m], hi[m]);
+        block(u * W::kUnitBlocks + blk, lo, hi);
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < w.nb; ++b) {
+      I lo[8], hi[8];  // elements 0..15 and 16..31 of the rows' block b, then transposed to pairs
+      V::widen(w, o, stride, b, lo, hi);
+      transpose<N>(lo, even, odd);
+      transpose<N>(hi, even, odd);
+      block(b, lo, hi);
+    }
+  }
+  const int valid = static_cast<int>(std::min<int64_t>(N, w.n - o));
+  for (int t = 0; t < T; ++t) V::store(y + (r0 + t) * w.n + o, V::addf(acc[t], offsets[t]), valid);
+}
+
+// Formats whose tiles take 512-bit widens
+template <typename W>
+concept Wide512 = requires(const uint8_t* p, __m512i v) { W::widen512(p, int64_t{}, int64_t{}, v, v); };
+
+// Weight rows [o_begin, o_end) against x rows r0..r0+T on outer tiles: two groups at a time on 512-bit
+// vectors where the wide tiles are on and the format has them, else one
+template <int T, typename W>
+void outer_tiles(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o_end, int64_t r0, float* y) {
+  int64_t o = o_begin;
+  const int64_t end = std::min(o_end, w.n);
+  if constexpr (Wide512<W>) {
+    if (wide_tiles_flag().load(std::memory_order_relaxed))
+      for (; o + 2 * kLanes <= end; o += 2 * kLanes) tile_outer<T, 16>(w, xq, o, r0, y);
+  }
+  for (; o < end; o += kLanes) tile_outer<T, 8>(w, xq, o, r0, y);
+}
+#endif
+
+}  // namespace rosechat::quant
