@@ -19,6 +19,8 @@
     packing.py     PackedLinear / PackedEmbedding, and which modules a load packs in which format
     checkpoint.py  load_weights: checkpoint tensors into a built model's parameters and packed modules
     memory.py      whether a GGUF model and the smallest KV cache fit the available memory (before loading)
+    cache.py       the weight cache: a packed load's tensors saved once, mapped by the next load
+    cache_entries.py  the cache's folder: each entry's header, the pruning of stale entries, clearing
     loader.py      load_model: a name to a LoadedModel, through all of the above
 
 Callers import from the modules themselves; this package imports nothing, since engine.models imports

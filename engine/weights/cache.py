@@ -15,6 +15,10 @@ layout, packed tensors first and each a multiple of 32 bytes, so every packed te
 for the kernels. Written to a temporary file and renamed; on reading, the header (version, key), the
 tensor set, shapes, dtypes and extent, the file size and a hash of each tensor's first and last 4 KiB
 are checked: an entry that fails is deleted and rebuilt (one log line), never loaded.
+
+The header also names the entry's source file (path, size, mtime) and variant, and the entry's mtime is
+set again at each load: after each write and load, cache_entries.prune removes in the background the
+entries no load can hit again and bounds the rest per source file (its docstring says which).
 """
 
 from __future__ import annotations
@@ -26,38 +30,35 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from engine.weights.gguf_config import cache_root
+from engine.weights import cache_entries
+from engine.weights.cache_entries import LAYOUT_VERSION, META, CacheMiss, read_header, source_stat
 from engine.weights.packed import BlockWeight
 
-LAYOUT_VERSION = 5  # bump when a packed format's tensors or their layout change (5: an untied GGUF embedding is packed)
-_META = "rosechat.weights"
 _SAMPLE = 4096  # bytes hashed at each end of every tensor
 _ALIGN = 64  # the data section starts here (the header is padded to it)
 _DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int32: "I32", torch.int64: "I64", torch.float64: "F64"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 log = logging.getLogger(__name__)
-_saving: list[threading.Thread] = []  # entries being written in the background
+_saving: list[threading.Thread] = []  # entries being written, or the folder pruned, in the background
 _lock = threading.Lock()
 
 
-class CacheMiss(Exception):
-    """A cache entry that cannot be used (why, in words)."""
-
-
-def _file_identity(path: Path) -> str:
-    stat = path.stat()
+def _file_identity(path: Path) -> tuple[str, dict[str, int | str]]:
+    """The key's part for the file, and what the entry records of it (cache_entries.source_stat)."""
+    source = source_stat(str(path.resolve()))
     digest = hashlib.sha256()
     with open(path, "rb") as f:  # the header (first MiB) and the tail: a rewrite with the same size and mtime misses
         digest.update(f.read(1 << 20))
-        f.seek(max(0, stat.st_size - (1 << 20)))
+        f.seek(max(0, int(source["size"]) - (1 << 20)))
         digest.update(f.read(1 << 20))
-    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{digest.hexdigest()}"
+    return f"{source['path']}|{source['size']}|{source['mtime_ns']}|{digest.hexdigest()}", source
 
 
 def _isa() -> str:
@@ -73,15 +74,17 @@ class WeightCache:
     """The cache entry of one packed load of `path`: `load_into` a model built for it, or `save` it."""
 
     def __init__(self, path: Path, quantization: str, dtype: torch.dtype, root: Path) -> None:
-        parts = [_file_identity(path), quantization, str(dtype), _isa(), f"layout {LAYOUT_VERSION}"]
+        identity, self.source = _file_identity(path)
+        self.variant = {"quantization": quantization, "dtype": str(dtype).removeprefix("torch."), "isa": _isa()}
+        parts = [identity, quantization, str(dtype), self.variant["isa"], f"layout {LAYOUT_VERSION}"]
         self.key = hashlib.sha256("|".join(parts).encode()).hexdigest()
         self.file = root / f"{path.stem}-{self.key[:16]}.safetensors"
 
     @classmethod
     def for_file(cls, path: Path, quantization: str, dtype: torch.dtype) -> WeightCache | None:
         """The entry for loading `path` packed; None when caching is off (ROSECHAT_CACHE_DIR="")."""
-        root = cache_root()
-        return None if root is None else cls(path, quantization, dtype, root.parent / "weights")
+        root = cache_entries.folder()
+        return None if root is None else cls(path, quantization, dtype, root)
 
     # ------------------------------------------------------------------ reading
     def load_into(self, model: nn.Module) -> bool:
@@ -96,25 +99,28 @@ class WeightCache:
             log.warning("weight cache %s is unusable (%s): rebuilding it", self.file.name, e)
             self.file.unlink(missing_ok=True)
             return False
+        try:
+            os.utime(self.file)  # used now: the pruning keeps the most recently used entries of a file
+        except OSError:
+            pass  # a read-only cache still maps
+        _in_background(self._prune, "rosechat-weight-cache-prune")
         return True
+
+    def _prune(self) -> None:
+        """The other entries no load can hit again, and the least recently used of this file's variants
+        (cache_entries.prune); never this one. Pruning failures only log: they cost disk, not a load."""
+        try:
+            cache_entries.prune(self.file.parent, keep=self.file)
+        except Exception as e:  # on a background thread: a traceback there would tell the user nothing
+            log.warning("could not prune the weight cache %s: %s", self.file.parent, e)
 
     def _read(self) -> tuple[dict[str, Tensor], dict]:
         size = self.file.stat().st_size
         with open(self.file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CacheMiss("no header")
-            (length,) = struct.unpack("<Q", head)
-            if length > min(size, 64 << 20):
-                raise CacheMiss("bad header length")
-            header = json.loads(f.read(length))
+            start, header, meta = read_header(f, size)
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: shared pages, never written back
-        meta = json.loads(header.pop("__metadata__", {}).get(_META, "{}"))
         if meta.get("version") != LAYOUT_VERSION or meta.get("key") != self.key:
             raise CacheMiss("another version or key")
-        start = 8 + length
-        if start + max((v["data_offsets"][1] for v in header.values()), default=0) != size:
-            raise CacheMiss(f"{size} bytes, not what the header describes")
         digest = hashlib.sha256()
         tensors = {}
         for name, info in header.items():
@@ -137,15 +143,16 @@ class WeightCache:
         """Write the entry for a packed model just loaded (atomically; a failure only logs). In the
         background by default: the tensors are only read, and the load need not wait for the disk
         (`wait_for_saves`; Python waits for the thread at exit)."""
-        if not background:
+        if background:
+            _in_background(lambda: self._save(model), "rosechat-weight-cache")
+        else:
             self._save(model)
-            return
-        thread = threading.Thread(target=self._save, args=(model,), name="rosechat-weight-cache", daemon=False)
-        with _lock:
-            _saving.append(thread)
-        thread.start()
 
     def _save(self, model: nn.Module) -> None:
+        if self._write(model):
+            self._prune()  # after the write: a failed one leaves the cache as it was
+
+    def _write(self, model: nn.Module) -> bool:
         from engine.weights.packing import packed_modules
 
         packed = packed_modules(model)
@@ -154,7 +161,7 @@ class WeightCache:
         for name, module in packed.items():
             weight = module.weight
             if not isinstance(weight, BlockWeight) or not type(weight).names:
-                return  # torch's or the GPU's forms: not cached
+                return False  # torch's or the GPU's forms: not cached
             modules[name] = {"class": type(weight).__name__, "mode": weight.mode, "shape": list(weight.shape)}
             tensors.update({f"{name}.weight.{k}": t for k, t in weight.tensors().items()})
         params = dict(model.named_parameters())
@@ -169,15 +176,15 @@ class WeightCache:
             digest.update(data[: _SAMPLE])
             digest.update(data[max(0, len(data) - _SAMPLE):])
             offset += len(data)
-        meta = {"version": LAYOUT_VERSION, "key": self.key, "modules": modules, "params": sorted(params),
-                "sample": digest.hexdigest()}
-        header["__metadata__"] = {_META: json.dumps(meta)}
+        meta = {"version": LAYOUT_VERSION, "key": self.key, "source": self.source, "variant": self.variant,
+                "modules": modules, "params": sorted(params), "sample": digest.hexdigest()}
+        header["__metadata__"] = {META: json.dumps(meta)}
         text = json.dumps(header).encode()
         text += b" " * (-(8 + len(text)) % _ALIGN)
         tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
         try:  # anything that fails only costs the next load a repack
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            _remove_abandoned(self.file)
+            cache_entries.prune_abandoned(self.file)  # a killed writer's: its space, before this one takes more
             with open(tmp, "wb") as f:
                 f.write(struct.pack("<Q", len(text)) + text)
                 for t in tensors.values():
@@ -186,22 +193,26 @@ class WeightCache:
         except Exception as e:
             tmp.unlink(missing_ok=True)
             log.warning("could not write the weight cache %s: %s", self.file, e)
+            return False
+        return True
+
+
+def _in_background(work: Callable[[], None], name: str) -> None:
+    """Run `work` on a thread wait_for_saves waits for (not a daemon: Python waits for it at exit, so
+    an entry is never left half-written by the interpreter stopping)."""
+    thread = threading.Thread(target=work, name=name, daemon=False)
+    with _lock:
+        _saving.append(thread)
+    thread.start()
 
 
 def wait_for_saves() -> None:
-    """Wait until the entries being written in the background are on disk (tests, benchmarks)."""
+    """Wait until the entries being written in the background are on disk, and the pruning after each
+    write or load has run (tests, benchmarks)."""
     with _lock:
         threads, _saving[:] = list(_saving), []
     for thread in threads:
         thread.join()
-
-
-def _remove_abandoned(file: Path) -> None:
-    """Temporary files of this entry left by writers that died (killed mid-write)."""
-    for tmp in file.parent.glob(f"{file.name}.*.tmp"):
-        pid = tmp.name[len(file.name) + 1 : -len(".tmp")]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and Path("/proc/self").exists():
-            tmp.unlink(missing_ok=True)
 
 
 def _bytes(t: Tensor) -> memoryview:
