@@ -28,6 +28,11 @@ from engine.sampler import apply_repetition_penalty  # HF's semantics (the bench
 from engine.sequence import SamplingParams, StructuredOutput
 from engine.spec_decode import SpeculativeConfig
 from engine.structured import GrammarError
+from engine.weights.cache_entries import Entry as WeightCacheEntry  # the weight cache, for `rosechat cache`
+from engine.weights.cache_entries import clear as clear_weight_cache
+from engine.weights.cache_entries import entries as weight_cache_entries
+from engine.weights.cache_entries import folder as weight_cache_folder
+from engine.weights.cache_entries import prune as prune_weight_cache
 from engine.weights.gguf import GGUFError
 from engine.weights.gguf_header import vocab_size as gguf_vocab_size
 from engine.weights.loader import LoadedModel, load_model
@@ -77,6 +82,8 @@ __all__ = [
     "TurnPreempted",
     "TurnStarted",
     "Usage",
+    "WeightCacheEntry",
+    "clear_weight_cache",
     "cpu_model",
     "generation_defaults",
     "kernel_status",
@@ -85,6 +92,9 @@ __all__ = [
     "matmul_weight_cost",
     "packaged_model_path",
     "packed_bytes",
+    "prune_weight_cache",
     "resolve_defaults",
     "resolve_model",
+    "weight_cache_entries",
+    "weight_cache_folder",
 ]

@@ -1,4 +1,4 @@
-"""Command line entry point: ``rosechat [options]`` starts the app; ``rosechat info|serve|bench ...``, each
+"""Command line entry point: ``rosechat [options]`` starts the app; ``rosechat info|serve|cache|bench ...``, each
 with its own options (the ones several commands take are defined once, below)."""
 
 from __future__ import annotations
@@ -146,14 +146,15 @@ def _app_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _parsers() -> tuple[Parser, dict[str, Parser]]:
-    """The top-level parser (the app's options) and each command's own (info, serve; bench parses its own)."""
+    """The top-level parser (the app's options) and each command's own (info, serve, cache; bench parses its own)."""
     from rosechat import __version__
+    from rosechat.cache_command import add_cache_options
     from rosechat.server.cli import add_serve_options
 
     quiet = argparse.SUPPRESS
     p = Parser(
         prog="rosechat", argument_default=quiet, exit_on_error=False,  # _parse names a misplaced option
-        usage="%(prog)s [options]  (the app)\n       %(prog)s {info,serve,bench} [options]",
+        usage="%(prog)s [options]  (the app)\n       %(prog)s {info,serve,cache,bench} [options]",
         description="Terminal chat for local language models on a paged KV-cache engine. Without a command "
         "the app starts, with the options below. Options override config.toml; see `rosechat "
         "--print-config-path`. Each command has its own options: `rosechat COMMAND --help`.",
@@ -171,6 +172,11 @@ def _parsers() -> tuple[Parser, dict[str, Parser]]:
         "serve", prog="rosechat serve", argument_default=quiet, help="an OpenAI-compatible HTTP server over the engine",
         description="Serve the model over an OpenAI-compatible HTTP API (chat and text completions, "
         "/v1/models, /health, /metrics). Options override config.toml, as for the app.")
+    cache = commands.add_parser(
+        "cache", prog="rosechat cache", argument_default=quiet, help="list or clear the packed-weight cache",
+        description="List the weight cache's entries (a GGUF file's weights as our CPU kernels take them, "
+        "kept so that the next load maps them instead of repacking), with their sizes, source files and "
+        "why an entry is stale. Loads remove stale entries themselves.")
     commands.add_parser("bench", prog="rosechat bench", add_help=False,
                         help="benchmarks and checks (`rosechat bench --help`)")
     # the app
@@ -189,7 +195,9 @@ def _parsers() -> tuple[Parser, dict[str, Parser]]:
     _cache_options(serve)
     _sampling_options(serve, "sampling defaults", "For the fields a request leaves out. ")
     add_serve_options(serve)
-    return p, {"info": info, "serve": serve}
+    # rosechat cache: where the cache is comes from $ROSECHAT_CACHE_DIR, not the config
+    add_cache_options(cache)
+    return p, {"info": info, "serve": serve, "cache": cache}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config_path:
         print(rosechat_config.user_config_path())
         return 0
+    if args.command == "cache":
+        from rosechat.cache_command import run_cache
+
+        return run_cache(args)
     config_file, overrides = getattr(args, "config", None), overrides_from(args)
     try:
         config = load_config(config_file, overrides)

@@ -70,6 +70,7 @@ def test_flags_override_config_and_start_the_app(tmp_path: Path, launched) -> No
 
 SERVER_DESTS = {"host", "port", "server_api_key", "served_model_name", "max_queued", "max_n", "allow_unknown_fields",
                 "tool_call_parser"}
+CACHE_DESTS = {"prune", "clear"}  # `rosechat cache`'s own: they act, and override no config key
 
 
 def test_every_flag_maps_to_a_config_key() -> None:
@@ -78,7 +79,7 @@ def test_every_flag_maps_to_a_config_key() -> None:
     assert dests == set(cli.FLAG_KEYS)
     for name, parser in commands.items():  # a command's options are the app's, or the server's own
         own = {a.dest for a in parser._actions} - {"help", "config"}
-        assert own - SERVER_DESTS <= set(cli.FLAG_KEYS), name
+        assert own - SERVER_DESTS - CACHE_DESTS <= set(cli.FLAG_KEYS), name
     for key in cli.FLAG_KEYS.values():
         section, name = key.split(".")
         assert name in {f for f in cfg.SECTIONS[section].__dataclass_fields__}
@@ -109,7 +110,7 @@ def test_serve_help_shows_server_options_only(capsys) -> None:
 def test_top_help_lists_each_command_on_one_line_and_the_app_options(capsys) -> None:
     out = _help(capsys, [])
     commands = out.split("\ncommands")[1].split("\n\n")[0].splitlines()
-    for name in ("info", "serve", "bench"):
+    for name in ("info", "serve", "cache", "bench"):
         (line,) = [line for line in commands if line.split()[:1] == [name]]
         assert len(line.split()) > 3, line  # a help text beside it, on the same line
     assert {"--theme", "--history", "--remote", "--model", "--temperature"} <= set(out.split())
@@ -314,3 +315,43 @@ def test_help_for_every_flag(capsys) -> None:
         assert undocumented == [], parser.prog
     dtype = " ".join(_help(capsys, ["serve"]).split("\n  --dtype {")[1].split("\n  --quantization")[0].split())
     assert "float32 on the CPU" in dtype and "bfloat16 on CUDA" in dtype  # engine/defaults.py resolve()
+
+
+# --- rosechat cache ---------------------------------------------------------------------------------
+
+
+def test_cache_lists_prunes_and_clears_the_weight_cache(tmp_path: Path, capsys, monkeypatch) -> None:
+    from engine.weights.cache import wait_for_saves
+    from engine.weights.loader import load_model
+    from tests.gguf_helpers import write_gguf
+
+    monkeypatch.setenv("ROSECHAT_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "tiny-q4_1.gguf"
+    write_gguf(model, "llama", qtype="Q4_1")
+    load_model(str(model))
+    wait_for_saves()
+    folder = tmp_path / "cache" / "weights"
+    (entry,) = folder.glob("*.safetensors")
+    junk = folder / "junk-0123456789abcdef.safetensors"
+    junk.write_bytes(b"not an entry")
+    assert cli.main(["cache"]) == 0
+    out = capsys.readouterr().out
+    assert f"weight cache {folder}: 2 files" in out and str(model.resolve()) in out and "auto float32" in out
+    assert entry.name in out and "[stale: unreadable" in out and "--prune" in out
+    assert cli.main(["cache", "--prune"]) == 0
+    assert "removed 1 file" in capsys.readouterr().out and entry.exists() and not junk.exists()
+    assert cli.main(["cache", "--clear"]) == 0
+    assert "removed 1 file" in capsys.readouterr().out and list(folder.iterdir()) == []
+    with pytest.raises(SystemExit):  # one or the other
+        cli.main(["cache", "--prune", "--clear"])
+    monkeypatch.setenv("ROSECHAT_CACHE_DIR", "")
+    assert cli.main(["cache"]) == 2
+    assert "the cache is off" in capsys.readouterr().err
+
+
+def test_cache_takes_no_model_options(capsys) -> None:
+    for argv in (["cache", "--model", "demo"], ["--model", "demo", "cache"]):
+        with pytest.raises(SystemExit) as refused:
+            cli.main(argv)
+        assert refused.value.code == 2
+        assert "rosechat cache: error:" in capsys.readouterr().err
