@@ -100,12 +100,13 @@ def _tmp(cache_dir: Path, pid: int, age_s: float) -> Path:
 
 def test_an_older_layout_junk_and_abandoned_files_go_files_being_written_stay(model_file: Path, cache_dir: Path,
                                                                               monkeypatch) -> None:
+    now = weight_cache.LAYOUT_VERSION
     with monkeypatch.context() as m:  # an entry an older rosechat wrote
         for module in (weight_cache, cache_entries):
-            m.setattr(module, "LAYOUT_VERSION", 5)
+            m.setattr(module, "LAYOUT_VERSION", now - 1)
         _load(model_file)
     (older,) = cache_entries.entries(cache_dir)
-    assert older.stale == "layout version 5, not 6"
+    assert older.stale == f"layout version {now - 1}, not {now}"
     junk = cache_dir / "junk-0123456789abcdef.safetensors"
     junk.write_bytes(b"\x10" + b"\0" * 63)
     old = cache_entries.ABANDONED_S + 60
@@ -119,7 +120,7 @@ def test_an_older_layout_junk_and_abandoned_files_go_files_being_written_stay(mo
     (current,) = left - {fresh, live}
     assert not older.file.exists() and not junk.exists() and not abandoned.exists()
     meta = json.loads(json.loads(_header(current))["__metadata__"]["rosechat.weights"])
-    assert meta["version"] == weight_cache.LAYOUT_VERSION == 6
+    assert meta["version"] == now
 
 
 def _header(file: Path) -> str:
