@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,32", help="rows of x: 1 a decode step, more a prefill chunk")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--outer", action="store_true",
+                        help="each case with the avx512 variant's outer tiles off, then on (outer.h): the speed-up")
     args = parser.parse_args(argv)
     if not ops.available():
         raise SystemExit(f"our CPU kernels are unavailable: {ops.unavailable_reason()}")
@@ -69,14 +71,20 @@ def main(argv: list[str] | None = None) -> None:
             weights = _weights(n, k, gen)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k, generator=gen)
-                best = dict.fromkeys(weights, float("inf"))
+                modes = (0, 1) if args.outer else (-1,)  # outer tiles off, on; -1: as they are
+                best = {(name, mode): float("inf") for name in weights for mode in modes}
                 for _ in range(args.rounds):  # interleaved: a burst of other load hits every format alike
                     for name, (fn, w) in weights.items():
-                        best[name] = min(best[name], _median_s(fn, w, x, 60 if rows == 1 else 12))
+                        for mode in modes:
+                            torch.ops.rosechat_quant.outer_tiles(mode)
+                            t = _median_s(fn, w, x, 60 if rows == 1 else 12)
+                            best[name, mode] = min(best[name, mode], t)
+                torch.ops.rosechat_quant.outer_tiles(1)
                 for name, (_, w) in weights.items():
-                    nbytes, t = sum(a.nbytes for a in w), best[name]
+                    nbytes, t = sum(a.nbytes for a in w), best[name, modes[-1]]
+                    vs = f"  outer tiles {best[name, 0] / t:4.2f}x the folding ones" if args.outer else ""
                     print(f"threads {threads}  {n}x{k}  rows {rows:3d}  {name:20s} {t * 1e3:8.3f} ms  "
-                          f"{nbytes * 8 / (n * k):5.2f} bits/weight  {nbytes / t / 1e9:6.2f} GB/s")
+                          f"{nbytes * 8 / (n * k):5.2f} bits/weight  {nbytes / t / 1e9:6.2f} GB/s{vs}")
 
 
 if __name__ == "__main__":

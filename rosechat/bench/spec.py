@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from rosechat.bench.cli import _load, _source_version, report_main
+from rosechat.bench.sampling import GREEDY, SAMPLINGS, SAMPLINGS_LLAMA, describe
 from rosechat.bench.systems import llama_cpp_available
 
 CODE = '''def plan(self, seq: Sequence) -> AllocationPlan:
@@ -67,12 +68,18 @@ def _rate(tokens: int, first_s: float, total_s: float) -> float:
     return (tokens - 1) / max(total_s - first_s, 1e-9) if tokens > 1 else 0.0
 
 
-def _rosechat_round(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+def _params(max_tokens: int, sampling: str) -> Any:
+    """A bench setting's SamplingParams; seeded, so a sampled reply is the same text with and without
+    speculation (the seed's stream is rewound to one draw per token kept)."""
     from engine import SamplingParams
 
+    return SamplingParams(max_tokens=max_tokens, seed=0, **SAMPLINGS[sampling])
+
+
+def _rosechat_round(llm: Any, prompts: list[list[int]], max_tokens: int, sampling: str) -> list[dict[str, Any]]:
     out = []
     for prompt in prompts:  # one chat at a time
-        reply = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0]
+        reply = llm.generate([prompt], _params(max_tokens, sampling))[0]
         tokens = reply.outputs[0].token_ids
         out.append({"tokens": tokens, "tok_s": _rate(len(tokens), reply.ttft_s, reply.total_s)})
     return out
@@ -93,22 +100,21 @@ def chat_streams(n: int) -> list[str]:
     return [pool[i % len(pool)] for i in range(n)]
 
 
-def _batch_round(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+def _batch_round(llm: Any, prompts: list[list[int]], max_tokens: int, sampling: str) -> list[dict[str, Any]]:
     """All prompts at once, as concurrent chats: one result, their aggregate rate, every reply's tokens."""
-    from engine import SamplingParams
-
-    replies = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    replies = llm.generate(prompts, _params(max_tokens, sampling))
     tokens = [r.outputs[0].token_ids for r in replies]
     return [{"tokens": tokens, "tok_s": batch_rate([(len(t), r.ttft_s, r.total_s) for t, r in zip(tokens, replies)])}]
 
 
-def _llama_round(llm: Any, prompts: list[list[int]], max_tokens: int, eos: set[int]) -> list[dict[str, Any]]:
+def _llama_round(llm: Any, prompts: list[list[int]], max_tokens: int, eos: set[int],
+                 sampling: str) -> list[dict[str, Any]]:
     out = []
     for prompt in prompts:
         tokens: list[int] = []
         start = time.perf_counter()
         first = 0.0
-        for token in llm.generate(prompt, reset=True, temp=0.0, repeat_penalty=1.0, top_k=1):
+        for token in llm.generate(prompt, reset=True, **{"repeat_penalty": 1.0, **SAMPLINGS_LLAMA[sampling]}):
             if token in eos:
                 break
             if not tokens:
@@ -142,10 +148,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = {w: [plain.render_chat([{"role": "user", "content": p}]) for p in ps] for w, ps in texts.items()}
     lookup = "model" not in spec_config and spec_config.get("method", "ngram") == "ngram"
     spec_name = "rosechat ngram" if lookup else "rosechat draft"
-    systems: dict[str, Any] = {"rosechat": lambda ps: _rosechat_round(plain, ps, args.max_tokens),
-                               spec_name: lambda ps: _rosechat_round(spec, ps, args.max_tokens)}
-    batched = {"rosechat": lambda ps: _batch_round(plain, ps, args.max_tokens),
-               spec_name: lambda ps: _batch_round(spec, ps, args.max_tokens)}
+    n, how = args.max_tokens, args.sampling
+    systems: dict[str, Any] = {"rosechat": lambda ps: _rosechat_round(plain, ps, n, how),
+                               spec_name: lambda ps: _rosechat_round(spec, ps, n, how)}
+    batched = {"rosechat": lambda ps: _batch_round(plain, ps, n, how),
+               spec_name: lambda ps: _batch_round(spec, ps, n, how)}
     path = _gguf_path(model)
     if path and llama_cpp_available() and not args.no_llama_cpp:
         from llama_cpp import Llama
@@ -158,11 +165,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "verbose": False}
         eos = set(plain.loaded.eos_token_ids)
         lcpp = Llama(**kw)
-        systems["llama.cpp"] = lambda ps: _llama_round(lcpp, ps, args.max_tokens, eos)
+        systems["llama.cpp"] = lambda ps: _llama_round(lcpp, ps, n, eos, how)
         if lookup:  # llama-cpp-python's draft models are prompt lookup only
             llama_lookup = Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=spec_config.get(
                 "num_speculative_tokens", 4), max_ngram_size=spec_config.get("prompt_lookup_max", 4)))
-            systems["llama.cpp lookup"] = lambda ps: _llama_round(llama_lookup, ps, args.max_tokens, eos)
+            systems["llama.cpp lookup"] = lambda ps: _llama_round(llama_lookup, ps, n, eos, how)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in prompts}
     for _ in range(args.repeats):
         for workload, ps in prompts.items():
@@ -180,6 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "header": {"model": info.name, "dtype": info.dtype, "quantization": info.quantization, "kernels": info.kernels,
                    "threads": torch.get_num_threads(), "cpu": cpu_model(), "max_tokens": args.max_tokens,
+                   "sampling": args.sampling,
                    "repeats": args.repeats, "speculative_config": spec_config, "source": _source_version(),
                    "spec_cost": spec.spec_cost(),
                    "load_before": load_before, "load_after": _load(), "wall_s": round(time.perf_counter() - t0, 1)},
@@ -206,7 +214,8 @@ def render(report: dict[str, Any]) -> str:
         f"{h['cpu']} | {h['kernels']}",
         f"load average {h['load_before']} before, {h['load_after']} after | wall {h['wall_s']} s | source "
         f"{h['source']}",
-        f"{_streams_line(report.get('streams', 1))}, greedy, up to {h['max_tokens']} tokens, best of {h['repeats']} "
+        f"{_streams_line(report.get('streams', 1))}, {_sampling_line(h.get('sampling', GREEDY))}, up to "
+        f"{h['max_tokens']} tokens, best of {h['repeats']} "
         f"alternated rounds; speculation {json.dumps(h['speculative_config'])}; step cost {h.get('spec_cost', '')}",
         "",
         "workload   system               decode tok/s   vs rosechat",
@@ -223,6 +232,10 @@ def render(report: dict[str, Any]) -> str:
             f"{w} {'yes' if ok else 'NO'}" for w, ok in report["identical"].items()),
     ]
     return "\n".join(lines)
+
+
+def _sampling_line(name: str) -> str:
+    return "greedy" if name == GREEDY else f"sampling {name} {SAMPLINGS[name]} (seed 0)"
 
 
 def _streams_line(streams: int) -> str:
@@ -244,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", type=lambda v: [w for w in v.split(",") if w], default=list(WORKLOADS),
                    metavar="LIST", help=f"which to run, comma-separated (default: {','.join(WORKLOADS)})")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--sampling", choices=list(SAMPLINGS), default=GREEDY,
+                   help=f"the setting every system decodes with ({describe()}); a random one seeded, so the text "
+                   "is the same with and without speculation")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
