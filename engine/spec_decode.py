@@ -170,7 +170,10 @@ COST_WEIGHT = 0.1  # of a step's time in its row count's running average
 
 class StepCost:
     """What a decode step costs by its rows, measured on the steps run: the running average time of
-    decode-only steps per row count, fitted to base + per_row * rows. A check of k guesses is worth
+    decode-only steps per row count, fitted to base + per_row * rows for the counts not seen (the first
+    extra row costs more than the later ones, e.g. one row's tiles are not several rows', so a count's own
+    average is used where there is one: a line through 1 and 5 rows put a 2-row step at 15 % over a plain
+    one where it took 35 %, and one guess at a 28 % rate looked worth taking). A check of k guesses is worth
     taking where the tokens it is expected to keep beyond the one a plain step gives outweigh the
     extra rows' time, counted in tokens of the whole batch (on a CPU each extra row costs most of a
     row's work; on a GPU next to nothing). ROSECHAT_SPEC_COST=off turns it off (the suite pins it off:
@@ -202,17 +205,22 @@ class StepCost:
         base, per_row = self.fit
         return f"measured, {1000 * base:.1f} ms + {1000 * per_row:.2f} ms a row"
 
+    def time(self, rows: int) -> float:
+        """A decode step of `rows` rows: its own running average where measured, else the fit's line."""
+        assert self.fit is not None
+        return self.times.get(rows, self.fit[0] + self.fit[1] * rows)
+
     def worth(self, k: int, rate: float, rows: int) -> int:
         """The guesses (at most k) that gain most over a plain step for one of `rows` decodes whose
         guesses stand at `rate`; 0 where none gains. Off or not measured yet: k (guessing measures it)."""
         if self.fit is None:
             return k
-        base, per_row = self.fit
-        step = base + per_row * rows
+        step = self.time(rows)
         best, best_gain, kept = 0, 0.0, 0.0
         for j in range(1, k + 1):
             kept += rate**j  # guess j stands if every guess before it did
-            gain = kept - rows * per_row * j / step  # tokens gained less the batch's time spent, in tokens
+            extra = max(self.time(rows + j) - step, 0.0)
+            gain = kept - rows * extra / step  # tokens gained less the batch's time spent, in tokens
             if gain > best_gain:
                 best, best_gain = j, gain
         return best

@@ -256,6 +256,13 @@ def test_the_measured_cost_of_a_check_decides_how_many_guesses_pay(monkeypatch) 
     flat.record(1, 0.010)
     flat.record(9, 0.0101)
     assert flat.worth(4, 0.3, rows=1) == 4
+    bent = StepCost()  # the first extra row costs most (one row's tiles are not several rows')
+    for rows, ms in ((1, 6.3), (5, 11.0)):
+        bent.record(rows, ms / 1000)
+    assert bent.worth(4, 0.28, rows=1) == 1  # the line: a 2-row step 1.2 ms (18 %) over a plain one, 0.28 > 0.18
+    bent.record(2, 0.0085)  # measured: 2.2 ms (35 %)
+    assert bent.worth(4, 0.28, rows=1) == 0  # a guess that stands 28 % of the time no longer pays
+    assert bent.worth(4, 0.9, rows=1) == 4  # an edit's still do: 5 rows cost 0.75 of a step more
     monkeypatch.setenv("ROSECHAT_SPEC_COST", "off")
     off = StepCost()
     off.record(1, 0.010)
