@@ -117,6 +117,12 @@ def test_rows_are_independent_of_the_batch(fmt: str) -> None:
     together = op(x, *weight)
     alone = torch.cat([op(x[i : i + 1].contiguous(), *weight) for i in range(15)])
     assert torch.equal(together, alone)
+    # a long prompt's chunk: at K = 8192 the rows of x go in blocks of 32 (512 KiB quantized), so 45 rows are
+    # a block and 13 more
+    weight, _ = _weight(fmt, 21, 8192, gen)
+    x = torch.randn(45, 8192, generator=gen)
+    alone = torch.cat([op(x[i : i + 1].contiguous(), *weight) for i in range(45)])
+    assert torch.equal(op(x, *weight), alone)
 
 
 @pytest.mark.parametrize("k", [32, 64, 96])
