@@ -8,14 +8,20 @@
 namespace rosechat::quant {
 
 // x rows [r_begin, r_end) against weight rows [o, o_end) (within a group-aligned chunk), on the tiles that suit
-// the count: outer tiles from 2 rows on (avx512), else the folding tiles of 8, 4, 2 and 1 rows
+// the count: outer tiles from a few rows on (kOuterRows), else the folding tiles of 8, 4, 2 and 1 rows
 template <typename W>
 void rows_on_tiles(const W& w, const QuantizedRows& xq, int64_t o, int64_t o_end, int64_t r_begin, int64_t r_end,
                    float* y) {
   int64_t r0 = r_begin;
+  // From how many rows outer tiles are faster: q6k's blocks widen and transpose apart (no RawUnits), at 2 rows
+  // 0.85x the folding tiles, and without VNNI (avx2: a multiply-add and an add) 2 rows ran at 0.86-0.92x,
+  // 5 at 1.03-1.45x (kernels.cpu.bench_quant --outer)
 #ifdef ROSECHAT_AVX512
-  // q6k's blocks widen and transpose apart (no RawUnits): at 2 rows slower than folding (0.85x), from 4 faster
-  if (r_end - r0 >= (RawUnits<W> ? 2 : 4) && outer_tiles_flag().load(std::memory_order_relaxed)) {
+  constexpr int64_t kOuterRows = RawUnits<W> ? 2 : 4;
+#else
+  constexpr int64_t kOuterRows = 4;
+#endif
+  if (r_end - r0 >= kOuterRows && outer_tiles_flag().load(std::memory_order_relaxed)) {
     for (; r0 + 8 <= r_end; r0 += 8) outer_tiles<8>(w, xq, o, o_end, r0, y);
     switch (r_end - r0) {  // the rest at once: a speculative check of k guesses is k + 1 rows
       case 7: return outer_tiles<7>(w, xq, o, o_end, r0, y);
@@ -28,7 +34,6 @@ void rows_on_tiles(const W& w, const QuantizedRows& xq, int64_t o, int64_t o_end
     }
     return;
   }
-#endif
   for (; r0 + 8 <= r_end; r0 += 8) row_tiles<8>(w, xq, o, o_end, r0, y);
   if (r_end - r0 >= 4) row_tiles<4>(w, xq, o, o_end, r0, y), r0 += 4;
   if (r_end - r0 >= 2) row_tiles<2>(w, xq, o, o_end, r0, y), r0 += 2;

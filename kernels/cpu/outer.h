@@ -1,17 +1,16 @@
-// The outer tiles of the avx512 variant: several rows of x against 8 or 16 weight rows with no fold per
-// row of x (tile_outer below); linear.h runs them where x has rows enough.
+// The outer tiles: several rows of x against 8 weight rows (16 on 512-bit vectors, the avx512 variant) with
+// no fold per row of x (tile_outer below); linear.h runs them where x has rows enough.
 #pragma once
 
 #include "tile.h"
 
 namespace rosechat::quant {
 
-#ifdef ROSECHAT_AVX512
-// Several rows of x (a prefill chunk, a speculative check, a batch of decodes): the tiles above fold
+// Several rows of x (a prefill chunk, a speculative check, a batch of decodes): tile.h's tiles fold
 // each weight row's 8 partial sums per block and row of x, work that grows with the rows of x. Here
-// the weight rows are turned instead, once a block for every row of x: widened as the one-row tiles
-// widen them, then transposed so that lane r of vector m holds pair m (elements 2m, 2m + 1) of row r,
-// and each row of x adds 16 VNNI multiply-adds a block, its pairs broadcast from memory, straight into
+// the weight rows are turned instead, once a block for every row of x: transposed so that lane r of
+// vector m holds pair m (elements 2m, 2m + 1) of row r, and each row of x adds 16 multiply-adds a block
+// (VNNI's on avx512; a multiply-add and an add on avx2), its pairs broadcast from memory, straight into
 // the block sums of 8 (16 on 512-bit vectors) weight rows: no fold. The sums are the same integers and
 // are scaled by the same FMAs in the same order as tile's: the same bits, batch invariance kept.
 using Pair = int32_t __attribute__((may_alias));  // two int16 values of x, read as one (embedded broadcast)
@@ -23,11 +22,18 @@ template <>
 struct Lanes<8> {
   using I = __m256i;
   using F = __m256;
+#ifdef ROSECHAT_AVX512
   static I pick(I a, I index, I b) { return _mm256_permutex2var_epi32(a, index, b); }
+#endif
   static I steps(int first) { return _mm256_setr_epi32(first, first + 2, first + 4, first + 6, first + 8, first + 10,
                                                         first + 12, first + 14); }
   static I dot(I acc, I w, const int16_t* x) {
-    return _mm256_dpwssd_epi32(acc, w, _mm256_set1_epi32(*reinterpret_cast<const Pair*>(x)));
+    const I pair = _mm256_set1_epi32(*reinterpret_cast<const Pair*>(x));
+#ifdef ROSECHAT_AVX512
+    return _mm256_dpwssd_epi32(acc, w, pair);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, pair));
+#endif
   }
   static I zero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
@@ -59,9 +65,11 @@ struct Lanes<8> {
   static F offset(const W& w, int64_t o, int64_t b, __m256i index) { return w.template offset<kLanes>(o, b, index); }
   static void store(float* y, F v, int valid) {
     if (valid == 8) return _mm256_storeu_ps(y, v);
-    _mm256_mask_storeu_ps(y, static_cast<__mmask8>((1u << valid) - 1), v);
+    _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), v);
   }
 };
+
+#ifdef ROSECHAT_AVX512
 
 template <>
 struct Lanes<16> {
@@ -111,18 +119,33 @@ struct Lanes<16> {
   }
   static void store(float* y, F v, int) { _mm512_storeu_ps(y, v); }
 };
+#endif
 
 // Vectors of 8 dwords each of N / 8 rows (vector i: rows (N / 8) i on) in, vector m with lane r dword m of
 // row r out: three rounds of two-source picks, each splitting the pairs of vectors by one bit of m
 template <int N>
 inline void transpose(typename Lanes<N>::I v[8], typename Lanes<N>::I even, typename Lanes<N>::I odd) {
-  for (int bit = 1; bit < 8; bit <<= 1)
-    for (int i = 0; i < 8; ++i)
-      if (!(i & bit)) {
-        const auto a = v[i], b = v[i | bit];
-        v[i] = Lanes<N>::pick(a, even, b);
-        v[i | bit] = Lanes<N>::pick(a, odd, b);
-      }
+#ifndef ROSECHAT_AVX512
+  if constexpr (N == 8) {  // AVX2 has no two-source pick: the unpack network (24 operations too)
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    for (int i = 0; i < 8; i += 4)
+      for (int j = 0; j < 2; ++j)
+        u[i + 2 * j] = _mm256_unpacklo_epi64(t[i + j], t[i + j + 2]), u[i + 2 * j + 1] = _mm256_unpackhi_epi64(t[i + j], t[i + j + 2]);
+    // u[0..3]: rows 0-3 of dwords (0, 1, 2, 3) in the low lanes and (4, 5, 6, 7) in the high; u[4..7] rows 4-7
+    for (int m = 0; m < 4; ++m)
+      v[m] = _mm256_permute2x128_si256(u[m], u[m + 4], 0x20), v[m + 4] = _mm256_permute2x128_si256(u[m], u[m + 4], 0x31);
+  } else
+#endif
+  {
+    for (int bit = 1; bit < 8; bit <<= 1)
+      for (int i = 0; i < 8; ++i)
+        if (!(i & bit)) {
+          const auto a = v[i], b = v[i | bit];
+          v[i] = Lanes<N>::pick(a, even, b);
+          v[i | bit] = Lanes<N>::pick(a, odd, b);
+        }
+  }
 }
 
 // A format whose 32-byte units are q4's block pairs of nibbles (2) or q8's int8 blocks (1): its outer
@@ -209,9 +232,12 @@ inline void tile_outer(const W& w, const QuantizedRows& xq, int64_t o, int64_t r
   for (int t = 0; t < T; ++t) V::store(y + (r0 + t) * w.n + o, V::addf(acc[t], offsets[t]), valid);
 }
 
+#ifdef ROSECHAT_AVX512
 // Formats whose tiles take 512-bit widens
 template <typename W>
 concept Wide512 = requires(const uint8_t* p, __m512i v) { W::widen512(p, int64_t{}, int64_t{}, v, v); };
+
+#endif
 
 // Weight rows [o_begin, o_end) against x rows r0..r0+T on outer tiles: two groups at a time on 512-bit
 // vectors where the wide tiles are on and the format has them, else one
@@ -219,12 +245,13 @@ template <int T, typename W>
 void outer_tiles(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o_end, int64_t r0, float* y) {
   int64_t o = o_begin;
   const int64_t end = std::min(o_end, w.n);
+#ifdef ROSECHAT_AVX512
   if constexpr (Wide512<W>) {
     if (wide_tiles_flag().load(std::memory_order_relaxed))
       for (; o + 2 * kLanes <= end; o += 2 * kLanes) tile_outer<T, 16>(w, xq, o, r0, y);
   }
+#endif
   for (; o < end; o += kLanes) tile_outer<T, 8>(w, xq, o, r0, y);
 }
-#endif
 
 }  // namespace rosechat::quant

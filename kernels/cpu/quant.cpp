@@ -246,15 +246,11 @@ int64_t tile_bits(int64_t mode) {
   return wide_tiles_flag().load() ? 512 : 256;
 }
 
-// mode 1 or 0: several rows of x on outer tiles or on the folding ones (the avx512 variant; the avx2 one
-// has only the folding tiles); any other value leaves them. Returns whether outer tiles are in use.
+// mode 1 or 0: several rows of x on outer tiles or on the folding ones; any other value leaves them.
+// Returns whether outer tiles are in use.
 int64_t outer_tiles_mode(int64_t mode) {
-#ifdef ROSECHAT_AVX512
   if (mode == 0 || mode == 1) outer_tiles_flag().store(mode == 1);
   return outer_tiles_flag().load();
-#else
-  return 0;
-#endif
 }
 
 TORCH_LIBRARY(rosechat_quant, lib) {

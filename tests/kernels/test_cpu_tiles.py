@@ -1,8 +1,8 @@
-"""The avx512 variant's other tiles give the 256-bit folding tiles' bits: one-row tiles on 512-bit vectors
-(tile.h tile_wide) for every format that has them, at every row count and with a last group of fewer than 8
-rows (those rows stay on 256-bit tiles), and the outer tiles (tile.h tile_outer) of several rows of x, one
-group or two at a time, for every format; kernels/cpu/tiles.py keeps the width that times faster, or the
-one forced.
+"""The other tiles give the 256-bit folding tiles' bits: the avx512 variant's one-row tiles on 512-bit
+vectors (tile.h tile_wide) for every format that has them, at every row count and with a last group of fewer
+than 8 rows (those rows stay on 256-bit tiles), and the outer tiles (outer.h tile_outer) of several rows of x,
+one group or two at a time, for every format (the avx2 variant's outer tiles too); kernels/cpu/tiles.py keeps
+the width that times faster, or the one forced.
 
 The suite is pinned to one variant per process: on the avx2 variant the width cannot change (checked here);
 tests/kernels/test_isa_paths.py runs this file again on the avx512 variant where the CPU has it."""
@@ -79,14 +79,12 @@ def test_wide_tiles_give_the_narrow_tiles_bits(n: int, k: int) -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(8, 32), (13, 96), (40, 256), (203, 512), (576, 576)])
 def test_outer_tiles_give_the_folding_tiles_bits(n: int, k: int) -> None:
-    """Several rows of x on outer tiles (weight rows transposed once a block, VNNI sums straight into them),
-    at 256 and 512 bits, against the folding tiles: every format, every count of rows left after the tiles of
-    8 (a check of k guesses is k + 1 rows), weights of a short last group and an odd count of groups; the
-    same tensors bit for bit, and q8 near a float64 product."""
+    """Several rows of x on outer tiles (weight rows transposed once a block, sums straight into them), at 256
+    and 512 bits (avx512; avx2: 256), against the folding tiles: every format, every count of rows left after
+    the tiles of 8 (a check of k guesses is k + 1 rows), weights of a short last group and an odd count of
+    groups; the same tensors bit for bit, and q8 near a float64 product."""
     outer = torch.ops.rosechat_quant.outer_tiles
-    if _running_isa() != "avx512":
-        assert outer(1) == 0  # the avx2 variant has only the folding tiles
-        return
+    widths = (256, 512) if _running_isa() == "avx512" else (256,)  # avx2: 8 rows of 256-bit vectors
     gen = torch.Generator().manual_seed(n + k)
     bits_before, outer_before = cpu_tiles.set_bits(0), outer(-1)
     try:
@@ -96,7 +94,7 @@ def test_outer_tiles_give_the_folding_tiles_bits(n: int, k: int) -> None:
                 assert outer(0) == 0
                 folded = fn(x, *args)
                 assert outer(1) == 1
-                for bits in (256, 512):
+                for bits in widths:
                     assert cpu_tiles.set_bits(bits) == bits
                     assert torch.equal(fn(x, *args), folded), (name, rows, bits)
             if name == "q8":
