@@ -42,7 +42,12 @@ class Pool {
     if (in_loop_) return false;
     std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
     if (!lock.owns_lock()) return false;
-    while (workers_ < threads - 1) std::thread(&Pool::worker, this, workers_++).detach();
+    while (workers_ < threads - 1) {
+      std::thread t(&Pool::worker, this, workers_++);
+      // named here, not by the thread itself: a thread the OS has not run yet already shows as a worker
+      pthread_setname_np(t.native_handle(), "rosechat-cpu");  // for top -H and the tests
+      t.detach();
+    }
     in_loop_ = true;
     body_ = body, f_ = f, begin_ = begin, end_ = end, step_ = step;
     error_ = nullptr;
@@ -103,7 +108,6 @@ class Pool {
   }
 
   void worker(int index) {
-    pthread_setname_np(pthread_self(), "rosechat-cpu");  // for top -H and the tests
     in_loop_ = true;  // a loop inside a chunk runs serially
     uint32_t seen = generation_.load(std::memory_order_acquire);
     for (;;) {
