@@ -42,6 +42,10 @@ class ChatLog(VerticalScroll):
         """Show ``message`` (a reply: ``n`` alternatives), last or just ``after`` a view; returns its view."""
         view = MessageView(message.role, message.content, n=n)
         message.view = view
+        return await self.add_view(view, after=after)
+
+    async def add_view(self, view: MessageView, *, after: MessageView | None = None) -> MessageView:
+        """Show ``view`` (a reply's, made before its turn was submitted), last or just ``after`` a view."""
         await self.mount(view, after=after)
         return view
 
