@@ -97,6 +97,7 @@ class RoseChatApp(App[None]):
         self.sub_title = f"loading {self._model_name()}…"
         await self.tabbed.new()
         self.set_interval(1 / DRAIN_HZ, self._poll_events, name="engine-events")  # loading reports through it too
+        self.events.on_end = self._poll_soon
         if not self.is_headless:
             self._terminal.start()
 
@@ -205,6 +206,14 @@ class RoseChatApp(App[None]):
         return SamplingParams(**self.config.sampling_kwargs(n, model_defaults))
 
     # ------------------------------------------------------------------ engine events
+    def _poll_soon(self) -> None:
+        """From the backend's thread, as a reply ends: poll now, on the UI's loop."""
+        if (loop := self._loop) is not None:
+            try:
+                loop.call_soon_threadsafe(self._poll_events)
+            except RuntimeError:  # the loop has closed: the app is gone
+                pass
+
     def _poll_events(self) -> None:
         if self.link.poll():
             self.post_message(self.EngineEvents())

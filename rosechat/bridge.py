@@ -1,16 +1,17 @@
 """Hand-off from the engine thread to the UI thread.
 
 The engine calls ``EventBuffer.push`` on its own thread for every event; that must never block,
-so it only appends to a lock-protected list. The UI drains the buffer on a timer (~30 Hz) and gets
-one coalesced ``Batch``: the text deltas of each (request, sample) joined into one string, every
-``Finished``/``EngineError`` in order, and only the newest ``CacheSnapshot`` (with the speculation marks
-of those it replaces, CacheSnapshot.after). A burst of hundreds of tokens therefore costs the UI one
-update per reply per frame, not one message per token.
+so it only appends to a lock-protected list. The UI drains the buffer on a timer (~30 Hz; at once
+as a reply ends, ``on_end``) and gets one coalesced ``Batch``: the text deltas of each (request,
+sample) joined into one string, every ``Finished``/``EngineError`` in order, and only the newest
+``CacheSnapshot`` (with the speculation marks of those it replaces, CacheSnapshot.after). A burst of
+hundreds of tokens therefore costs the UI one update per reply per frame, not one message per token.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.events import (
@@ -53,11 +54,24 @@ class EventBuffer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._events: list[Event] = []
+        # Called (on the pushing thread, must not block) once a reply has ended and the engine thread has
+        # pushed the cache snapshot that follows it: the UI drains then, not at its next tick (up to 1/30 s
+        # later, the reply shown as still generating meanwhile). Not at the end itself: the snapshot taken
+        # right after it would come in a later drain, and replace what the panel showed once the reply was done.
+        self.on_end: Callable[[], None] | None = None
+        self._ended = False  # a reply's end was pushed since the last drain, and no snapshot after it
 
     def push(self, event: Event | ServerStats | LoadProgress) -> None:
         """Engine thread: O(1), no allocation beyond the list slot."""
+        wake = False
         with self._lock:
             self._events.append(event)
+            if isinstance(event, (Finished, EngineError)):
+                self._ended = True
+            elif isinstance(event, CacheSnapshot):
+                wake, self._ended = self._ended, False
+        if wake and self.on_end is not None:
+            self.on_end()
 
     @property
     def pending(self) -> bool:
@@ -66,7 +80,7 @@ class EventBuffer:
     def drain(self) -> Batch:
         """UI thread: everything pushed since the last drain, coalesced."""
         with self._lock:
-            events, self._events = self._events, []
+            events, self._events, self._ended = self._events, [], False
         batch = Batch()
         for event in events:
             if isinstance(event, TokenDelta):

@@ -5,10 +5,11 @@ one); once it runs the link holds the backend, connects the tabs to it and sends
 meanwhile, in order. If it never comes, the link holds why, and the queued messages stay unsent.
 
 The backend's thread (and the loader's) only appends to the link's ``EventBuffer``. On the app's
-30 Hz timer ``poll`` says when something waits; the app then posts itself one ``EngineEvents``
-message, whose handler calls ``drain``: on the UI thread, each request's events go, as typed
-messages, to the tab that owns the request (until its last one), the newest cache snapshot and
-server figures to the KV panel, and load progress to the load bars. The tabs do the rest.
+30 Hz timer (and as a reply ends: ``EventBuffer.on_end``) ``poll`` says when something waits; the
+app then posts itself one ``EngineEvents`` message, whose handler calls ``drain``: on the UI
+thread, each request's events go, as typed messages, to the tab that owns the request (until its
+last one), the newest cache snapshot and server figures to the KV panel, and load progress to the
+load bars. The tabs do the rest.
 
 Not a widget: it shows nothing. It finds the tabs, the panel and the load bars by query through
 ``app``: none once the app is closing, and what comes late is dropped.

@@ -36,6 +36,26 @@ def test_drain_coalesces_deltas_and_keeps_the_latest_snapshot() -> None:
     assert not buf.pending and not buf.drain()
 
 
+def test_a_reply_end_wakes_the_ui_once_the_snapshot_after_it_is_in() -> None:
+    """on_end: not at the end itself (the snapshot the engine thread takes right after it would come in
+    a later drain), but once that snapshot is pushed; once per end, and not for an end already drained."""
+    buf = EventBuffer()
+    woken: list[int] = []
+    buf.on_end = lambda: woken.append(len(buf.drain().ends))  # the UI drains what is there when woken
+    buf.push(snap(1.0))
+    buf.push(TokenDelta("r1", "c1", 0, "a"))
+    buf.push(Finished("r1", "c1", ("a",), ("stop",), Usage(3, 1, 2), 0.1, 0.2, 10.0))
+    assert woken == []
+    buf.push(snap(2.0))
+    assert woken == [1]  # the end and the snapshot after it, in one drain
+    buf.push(snap(3.0))
+    assert woken == [1]
+    buf.push(EngineError("r2", "c2", "boom"))
+    buf.drain()  # the tick took the end first: nothing to wake for
+    buf.push(snap(4.0))
+    assert woken == [1]
+
+
 def test_batch_routes_each_request_in_order_and_keeps_engine_errors_apart() -> None:
     from engine.events import TurnStarted
     from rosechat.widgets.reply import ReplyFailed, ReplyFinished, ReplyStarted, ReplyText, reply_messages
