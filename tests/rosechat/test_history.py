@@ -25,6 +25,8 @@ def test_new_file_is_wal_at_current_schema(store: HistoryStore) -> None:
     # WAL is a property of the file: a second connection sees it too.
     with sqlite3.connect(store.path) as raw:
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    # a commit does not wait for the disk (the app saves on its UI thread); WAL keeps the file whole
+    assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
 
 
 def test_crud(store: HistoryStore) -> None:
