@@ -3,10 +3,14 @@ grows within its last line is repainted without laying the screen out again (iss
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from rosechat.engine_link import UI_NICE
 from rosechat.widgets import chat
 from rosechat.widgets.reply_markdown import ReplyParagraph
 from tests.rosechat.test_app import SIZE, make_app, wait_for
@@ -71,3 +75,19 @@ async def test_many_deltas_end_as_the_whole_text(tmp_path: Path, monkeypatch: py
         assert "read(book)" in str(view.markdown.query_one("MarkdownFence")._content)
         await view.set_texts([text])  # the reply's end: nothing to change
         assert view.markdown.source == view.text == text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
+async def test_the_ui_thread_yields_to_the_engine_threads_once_they_run(tmp_path: Path) -> None:
+    """On two cores the UI's CPU came out of the engine's: once the engine runs the UI thread is at nice
+    UI_NICE, and the engine's thread (started before) keeps the niceness it was started with."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    engines = lambda: {t for t in threading.enumerate() if t.name == "rosechat-engine"}  # noqa: E731 (EngineThread's)
+    earlier = engines()  # another test's, not yet ended
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.link.backend is not None, "the engine")
+        engine = list(engines() - earlier)
+        assert len(engine) == 1 and engine[0].native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == max(before, UI_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, engine[0].native_id) == before
