@@ -103,12 +103,6 @@ struct Lanes<16> {
   static F addf(F a, F b) { return _mm512_add_ps(a, b); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
-  // two whole groups: vector i holds rows o + 2i and o + 2i + 1 (group o's, then group o + 8's)
-  template <typename W>
-  static void widen(const W& w, int64_t o, int64_t stride, int64_t b, I lo[8], I hi[8]) {
-    for (int g = 0; g < 2; ++g)
-      for (int i = 0; i < 4; ++i) W::widen512(w.row(o + 8 * g) + 64 * i, stride, b, lo[4 * g + i], hi[4 * g + i]);
-  }
   template <typename W>
   static F scale(const W& w, int64_t o, int64_t b, int part, __m256i index) {
     return join(w.template scale<kLanes>(o, b, part, index), w.template scale<kLanes>(o + kLanes, b, part, index));
@@ -232,21 +226,15 @@ inline void tile_outer(const W& w, const QuantizedRows& xq, int64_t o, int64_t r
   for (int t = 0; t < T; ++t) V::store(y + (r0 + t) * w.n + o, V::addf(acc[t], offsets[t]), valid);
 }
 
-#ifdef ROSECHAT_AVX512
-// Formats whose tiles take 512-bit widens
-template <typename W>
-concept Wide512 = requires(const uint8_t* p, __m512i v) { W::widen512(p, int64_t{}, int64_t{}, v, v); };
-
-#endif
 
 // Weight rows [o_begin, o_end) against x rows r0..r0+T on outer tiles: two groups at a time on 512-bit
-// vectors where the wide tiles are on and the format has them, else one
+// vectors where the wide tiles are on and the format's units transpose as they are, else one
 template <int T, typename W>
 void outer_tiles(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o_end, int64_t r0, float* y) {
   int64_t o = o_begin;
   const int64_t end = std::min(o_end, w.n);
 #ifdef ROSECHAT_AVX512
-  if constexpr (Wide512<W>) {
+  if constexpr (RawUnits<W>) {  // 16 rows' raw units (q6k widens its blocks, on 8 rows)
     if (wide_tiles_flag().load(std::memory_order_relaxed))
       for (; o + 2 * kLanes <= end; o += 2 * kLanes) tile_outer<T, 16>(w, xq, o, r0, y);
   }
