@@ -15,7 +15,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import cdiv
 from engine.kv_groups import KVLayout, first_needed_block
 from engine.weights.loader import load_model
-from tests.helpers import TINY_VOCAB, drain_checked, reference_model
+from tests.helpers import TINY_VOCAB, TRITON_ON, drain_checked, reference_model
 
 BS, WINDOW = 4, 8
 
@@ -161,12 +161,14 @@ def test_speculation_and_conversation_turns_on_a_windowed_model(gemma2) -> None:
 
 def test_triton_kernels_never_read_the_null_block(gemma2) -> None:
     """The Triton decode and prefill kernels attend only in-window keys: with the null block poisoned (NaN),
-    two sequences decoding past the window (interpreted on the CPU) still give the PyTorch path's tokens."""
+    two sequences decoding past the window (interpreted on the CPU, compiled on a GPU) still give the PyTorch
+    path's tokens on the same device."""
     pytest.importorskip("triton")
     prompts = _prompts(6, [13, 22])
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    want = _engine(gemma2, 64).generate(prompts, params)
-    eng = _engine(gemma2, 64, attention_backend="triton")
+    opts = dict(block_size=BS, num_blocks=64, **TRITON_ON)
+    want = LLMEngine.from_pretrained(str(gemma2.path), attention_backend="torch", **opts).generate(prompts, params)
+    eng = LLMEngine.from_pretrained(str(gemma2.path), attention_backend="triton", **opts)
     assert eng.block_manager.null_block == 0
     eng.runner.k_cache[:, 0] = float("nan")
     eng.runner.v_cache[:, 0] = float("nan")

@@ -12,7 +12,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.spec_decode import PAUSE_STEPS, NgramProposer, SpecState, SpeculativeConfig, StepCost, accepted
-from tests.helpers import make_tiny_model
+from tests.helpers import TRITON_ON, make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # prompts whose endings recur in them, so the proposer has something to guess
@@ -100,6 +100,17 @@ def test_greedy_tokens_and_published_blocks_match_plain_decoding(model_dir: str,
     s = spec.scheduler
     assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens, "both kept and rejected guesses are exercised"
     # The prefix cache holds the same blocks: none with a rejected guess's KV under a hash.
+    assert set(spec.block_manager.hash_to_block) == set(plain.block_manager.hash_to_block)
+
+
+def test_through_the_triton_kernels_greedy_tokens_match_plain_decoding(model_dir: str) -> None:
+    """The check rows through the Triton attention kernels: interpreted here, compiled on a GPU, where plain
+    decode steps replay CUDA graphs and speculative steps (several rows a sequence) run eagerly beside them."""
+    opts = dict(attention_backend="triton", **TRITON_ON)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 2
+    plain, spec = _engine(model_dir, None, **opts), _engine(model_dir, NGRAM, **opts)
+    assert _run(spec, PROMPTS[:2], params) == _run(plain, PROMPTS[:2], params)
+    assert 0 < spec.scheduler.spec_accepted_tokens
     assert set(spec.block_manager.hash_to_block) == set(plain.block_manager.hash_to_block)
 
 
