@@ -164,8 +164,19 @@ async def _wait(app: Any, event: asyncio.Event, timeout: float, what: str) -> No
             pass
 
 
+async def _show_earlier_turns(tab: Any, turns: int, reply: str) -> None:
+    """`turns` earlier exchanges in the tab's log, as a long chat shows them (not sent: the engine's work is
+    the same), folded as a saved chat's are when it opens."""
+    from rosechat.widgets.chat import ChatMessage
+
+    for i in range(turns):
+        await tab.log_view.add(ChatMessage("user", f"An earlier question, number {i + 1}."))
+        await tab.log_view.add(ChatMessage("assistant", reply))
+    tab.log_view.call_after_refresh(tab.log_view.fold)
+
+
 async def app_round(pilot: Any, recorder: Recorder, prompt: str, tabs: int, keys_per_s: float,
-                    timeout: float) -> Round:
+                    timeout: float, history: int = 0, history_reply: str = "") -> Round:
     """`tabs` fresh tabs send `prompt` at the same moment (the Enter key's action on each); while they
     stream, a key is typed into the active tab's input `keys_per_s` times a second and timed."""
     app = pilot.app
@@ -178,6 +189,8 @@ async def app_round(pilot: Any, recorder: Recorder, prompt: str, tabs: int, keys
         new.append(next(t for t in app.tabs if t not in old and t not in new))
     for tab in old:  # the last round's: their blocks freed, nothing left streaming
         await app.tabbed.close(tab)
+    for tab in new:
+        await _show_earlier_turns(tab, history, history_reply)
     app.tabbed.activate(new[-1])
     await _until(app, lambda: app.focused is new[-1].input, "the new tab's input to have the focus", timeout)
     ends: dict[Any, float] = {}
@@ -293,6 +306,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not app.ready:
                 raise BenchError(f"the app could not load the model: {app.load_error}")
             params = app.sampling_params(1)
+            # an earlier turn's reply: the engine's own to this prompt
+            history_reply = engine_round(alone, messages, dataclasses.replace(params, max_tokens=256), 1).texts[0] \
+                if args.history else ""
             # warm-up, not measured: the first calls of every kernel, on each side
             engine_round(alone, messages, dataclasses.replace(params, max_tokens=8), max(args.tabs))
             app_class.max_tokens = 8
@@ -304,7 +320,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # the engine rounds block this (the UI's) loop: the app stands still meanwhile
                     rounds.append(engine_round(alone, messages, params, tabs))
                     rounds.append(thread_round(alone, messages, params, tabs, args.timeout))
-                    rounds.append(await app_round(pilot, recorder, args.prompt, tabs, args.keys_per_s, args.timeout))
+                    rounds.append(await app_round(pilot, recorder, args.prompt, tabs, args.keys_per_s, args.timeout,
+                                                  args.history, history_reply))
             await pilot.pause()
             return {k: v for k, v in dataclasses.asdict(params).items() if k not in ("stop", "stop_token_ids")}
 
@@ -322,7 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sampling_source": "the app's defaults (config.toml [sampling], RoseChatApp.sampling_params)",
         "prompt": args.prompt, "system_prompt": config.chat.system_prompt,
         "prompt_tokens": len(alone.render_chat(messages)), "terminal": f"{args.size[0]}x{args.size[1]} headless",
-        "keys_per_s": args.keys_per_s, "repeats": args.repeats, "textual": textual.__version__,
+        "keys_per_s": args.keys_per_s, "history": args.history, "repeats": args.repeats, "textual": textual.__version__,
         "source": _source_version(), "load_before": load_before, "load_after": _load(),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
@@ -344,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys-per-s", type=float, default=4.0, help="keys typed (and timed) a second while "
                    "replies stream (0: none)")
     p.add_argument("--prompt", default=CHAT_PROMPT, help="the user message every tab sends")
+    p.add_argument("--history", type=int, default=0, help="earlier turns shown in each tab before it sends (a long "
+                   "chat; each reply the engine's to the prompt; default 0)")
     p.add_argument("--size", type=_size, default=(120, 36), help="terminal WIDTHxHEIGHT (default 120x36)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for any one round")
     p.add_argument("--json", action="store_true", help="print one JSON object")

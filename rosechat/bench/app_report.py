@@ -103,7 +103,8 @@ def render(report: dict[str, Any]) -> str:
         f"kernels: {h['kernels']}",
         f"sampling ({h['sampling_source']}): {sampling}; max_tokens {s['max_tokens']}, EOS ignored",
         f"prompt: {h['prompt']!r} with the default system prompt, through the chat template "
-        f"({h['prompt_tokens']} tokens); terminal {h['terminal']}; a key typed {h['keys_per_s']}/s while streaming",
+        f"({h['prompt_tokens']} tokens); terminal {h['terminal']}; a key typed {h['keys_per_s']}/s while streaming"
+        + (f"; {h['history']} earlier turns shown in each tab" if h.get("history") else ""),
         f"best of {h['repeats']} round(s), systems alternated | load average {h['load_before']} before, "
         f"{h['load_after']} after | wall {h['wall_s']} s", "",
     ]

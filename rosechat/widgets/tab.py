@@ -181,6 +181,7 @@ class ChatTab(TabPane):
             if m.role == "assistant":
                 view.stats = [ReplyStats(m.tokens, m.ttft_s, m.tokens_per_s, m.finish_reason)]
                 view.show_stats()
+        self.log_view.call_after_refresh(self.log_view.fold)
 
     def forget_saved(self) -> None:
         """Its saved rows are gone: the next message saves the tab as a new conversation."""
@@ -269,6 +270,7 @@ class ChatTab(TabPane):
         after the reply's (the history keeps the order they are sent in), and the app sends one."""
         self._reply = None
         self.generating = False
+        self.log_view.call_after_refresh(self.log_view.fold)  # once the reply's last text is laid out
         if self.queued:
             self.queued.move_after_reply(self.saver)
             self.post_message(self.Idle(self))

@@ -19,7 +19,7 @@ def test_the_app_shows_every_token_the_engine_generated(capsys) -> None:
     threads = torch.get_num_threads()
     try:
         code = main(["app", "--model", "demo", "--tabs", "1,4", "--max-tokens", str(MAX_TOKENS), "--repeats", "1",
-                     "--keys-per-s", "50", "--timeout", "60", "--json"])
+                     "--keys-per-s", "50", "--timeout", "60", "--history", "3", "--json"])
     finally:
         torch.set_num_threads(threads)
     report = json.loads(capsys.readouterr().out)
@@ -27,6 +27,7 @@ def test_the_app_shows_every_token_the_engine_generated(capsys) -> None:
 
     h = report["header"]
     assert "demo" in h["model"] and h["kernels"] and h["dtype"] and h["quantization"]
+    assert h["history"] == 3  # each tab showed 3 earlier turns (a long chat's log) before it sent
     # the app's sampling (config.toml's defaults through RoseChatApp.sampling_params), max_tokens and EOS ignored on top
     assert h["sampling"]["max_tokens"] == MAX_TOKENS and h["sampling"]["ignore_eos"] is True
     assert h["sampling"]["temperature"] == 0.0 and h["sampling"]["repetition_penalty"] == 1.1
@@ -56,6 +57,7 @@ def test_the_app_shows_every_token_the_engine_generated(capsys) -> None:
     assert all(isinstance(t["met"], bool) and t["value"] > 0 for t in report["targets"])
     text = render(report)
     assert "tabs" in text and "app/engine" in text and "EOS ignored" in text and "targets (issue 27" in text
+    assert "3 earlier turns shown in each tab" in text
     lines = text.splitlines()
     table = lines[lines.index(next(x for x in lines if x.lstrip().startswith("tabs"))):][:3]
     assert [x.split()[0] for x in table] == ["tabs", "1", "4"]  # a row for each number of tabs
