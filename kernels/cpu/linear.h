@@ -13,11 +13,11 @@ template <typename W>
 void rows_on_tiles(const W& w, const QuantizedRows& xq, int64_t o, int64_t o_end, int64_t r_begin, int64_t r_end,
                    float* y) {
   int64_t r0 = r_begin;
-  // From how many rows outer tiles are faster: q6k's blocks widen and transpose apart (no RawUnits), at 2 rows
-  // 0.85x the folding tiles, and without VNNI (avx2: a multiply-add and an add) 2 rows ran at 0.86-0.92x,
-  // 5 at 1.03-1.45x (kernels.cpu.bench_quant --outer)
+  // From how many rows outer tiles are faster (kernels.cpu.bench_quant --outer): at 2 rows 1.6-2.0x the folding
+  // tiles on avx512 (q6k 1.0x); without VNNI (avx2: a multiply-add and an add) 2 rows ran at 0.86-0.92x, 5 at
+  // 1.03-1.45x
 #ifdef ROSECHAT_AVX512
-  constexpr int64_t kOuterRows = RawUnits<W> ? 2 : 4;
+  constexpr int64_t kOuterRows = 2;
 #else
   constexpr int64_t kOuterRows = 4;
 #endif

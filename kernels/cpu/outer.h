@@ -38,6 +38,8 @@ struct Lanes<8> {
   static I zero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I andnot(I a, I b) { return _mm256_andnot_si256(a, b); }
   static I set16(int16_t v) { return _mm256_set1_epi16(v); }
   static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
   static I slli16(I a, int n) { return _mm256_slli_epi16(a, n); }
@@ -54,11 +56,6 @@ struct Lanes<8> {
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F addf(F a, F b) { return _mm256_add_ps(a, b); }
   static F set1(float v) { return _mm256_set1_ps(v); }
-  // vector i: row o + i's block b (rows past n repeat row n - 1, as tile's do)
-  template <typename W>
-  static void widen(const W& w, int64_t o, int64_t stride, int64_t b, I lo[8], I hi[8]) {
-    for (int i = 0; i < 8; ++i) W::widen(w.row(std::min(o + i, w.n - 1)), stride, b, lo[i], hi[i]);
-  }
   template <typename W>
   static F scale(const W& w, int64_t o, int64_t b, int part, __m256i index) { return w.template scale<kLanes>(o, b, part, index); }
   template <typename W>
@@ -86,6 +83,8 @@ struct Lanes<16> {
   static I zero() { return _mm512_setzero_si512(); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I andnot(I a, I b) { return _mm512_andnot_si512(a, b); }
   static I set16(int16_t v) { return _mm512_set1_epi16(v); }
   static I srli16(I a, int n) { return _mm512_srli_epi16(a, n); }
   static I slli16(I a, int n) { return _mm512_slli_epi16(a, n); }
@@ -144,9 +143,14 @@ inline void transpose(typename Lanes<N>::I v[8], typename Lanes<N>::I even, type
 
 // A format whose 32-byte units are q4's block pairs of nibbles (2) or q8's int8 blocks (1): its outer
 // tiles transpose the units as they are, then take each block's pairs apart (a quarter of the picks of
-// transposing widened blocks). Others (q6k) transpose what their widen gives.
+// transposing widened blocks).
 template <typename W>
 concept RawUnits = W::kUnitBlocks == 1 || W::kUnitBlocks == 2;
+// q6k's super-block of 8 blocks in 6 units (quant_k.cpp): the 6 units are transposed as they are, and
+// every block's pairs are taken from them by its widen's own 16-bit lane operations (6 transposes a
+// super-block, not 16 of widened blocks; a 16-bit lane stays whole in a dword, so the operations hold)
+template <typename W>
+concept SuperBlockUnits = W::kSpanBlocks == 8 && W::kSpanUnits == 6;
 
 // Block blk of a transposed unit's dwords d: pairs (2m, 2m + 1) to lo, (2m + 16, 2m + 17) to hi
 template <typename W, typename V>
@@ -214,12 +218,35 @@ inline void tile_outer(const W& w, const QuantizedRows& xq, int64_t o, int64_t r
       }
     }
   } else {
-    for (int64_t b = 0; b < w.nb; ++b) {
-      I lo[8], hi[8];  // elements 0..15 and 16..31 of the rows' block b, then transposed to pairs
-      V::widen(w, o, stride, b, lo, hi);
-      transpose<N>(lo, even, odd);
-      transpose<N>(hi, even, odd);
-      block(b, lo, hi);
+    static_assert(SuperBlockUnits<W>);
+    const I low = V::set16(15);
+    for (int64_t s = 0; s * 8 < w.nb; ++s) {
+      // blocks 6 and 7's pairs (lo, hi each), gathered from units 0-2 and 3-5, used after block 5 (block order
+      // is the FMAs' order: the bits)
+      I late[4][8];
+      for (int k = 0; k < 6; ++k) {
+        I d[8], lo[8], hi[8];
+        for (int g = 0; g < N / kLanes; ++g) prefetch<W>(w.row(o + kLanes * g), stride, s * 8 + k);
+        V::units(w, o, stride, s * 6 + k, d);
+        transpose<N>(d, even, odd);
+        I* late_lo = late[k / 3 * 2];
+        I* late_hi = late[k / 3 * 2 + 1];
+        for (int m = 0; m < 8; ++m) {
+          lo[m] = V::srai16(d[m], 10);  // block k: sign-extended from bits 10-15 and 4-9
+          hi[m] = V::srai16(V::slli16(d[m], 6), 10);
+          if (k % 3 == 0) {  // blocks 6, 7: element j's low 4 bits, element j + 16's, then both top 2 bits
+            late_lo[m] = V::and_(d[m], low);
+          } else if (k % 3 == 1) {
+            late_hi[m] = V::and_(d[m], low);
+          } else {
+            late_lo[m] = V::or_(late_lo[m], V::srai16(V::slli16(d[m], 14), 10));
+            late_hi[m] = V::or_(late_hi[m], V::andnot(low, V::srai16(V::slli16(d[m], 12), 10)));
+          }
+        }
+        block(s * 8 + k, lo, hi);
+      }
+      block(s * 8 + 6, late[0], late[1]);
+      block(s * 8 + 7, late[2], late[3]);
     }
   }
   const int valid = static_cast<int>(std::min<int64_t>(N, w.n - o));
@@ -234,7 +261,7 @@ void outer_tiles(const W& w, const QuantizedRows& xq, int64_t o_begin, int64_t o
   int64_t o = o_begin;
   const int64_t end = std::min(o_end, w.n);
 #ifdef ROSECHAT_AVX512
-  if constexpr (RawUnits<W>) {  // 16 rows' raw units (q6k widens its blocks, on 8 rows)
+  {  // 16 rows' units
     if (wide_tiles_flag().load(std::memory_order_relaxed))
       for (; o + 2 * kLanes <= end; o += 2 * kLanes) tile_outer<T, 16>(w, xq, o, r0, y);
   }
