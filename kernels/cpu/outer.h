@@ -39,7 +39,6 @@ struct Lanes<8> {
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-  static I andnot(I a, I b) { return _mm256_andnot_si256(a, b); }
   static I set16(int16_t v) { return _mm256_set1_epi16(v); }
   static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
   static I slli16(I a, int n) { return _mm256_slli_epi16(a, n); }
@@ -84,7 +83,6 @@ struct Lanes<16> {
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-  static I andnot(I a, I b) { return _mm512_andnot_si512(a, b); }
   static I set16(int16_t v) { return _mm512_set1_epi16(v); }
   static I srli16(I a, int n) { return _mm512_srli_epi16(a, n); }
   static I slli16(I a, int n) { return _mm512_slli_epi16(a, n); }
@@ -219,34 +217,54 @@ inline void tile_outer(const W& w, const QuantizedRows& xq, int64_t o, int64_t r
     }
   } else {
     static_assert(SuperBlockUnits<W>);
-    const I low = V::set16(15);
+    // Blocks 6 and 7 are used after block 5 (block order is the FMAs' order: the bits), from units 0-2 (3-5).
+    // With 32 registers (avx512) their pairs are kept whole; avx2's 16 spill half as much when the bits are
+    // gathered into one vector a block (per 16-bit lane element j's low 4 bits, element j + 16's, both top 2
+    // bits) and taken apart after block 5: 2048x8192 at 32 rows 7.7 -> 7.0 ms (avx512: 3.4 -> 3.6, so not there)
+#ifdef ROSECHAT_AVX512
+    constexpr bool kGather = false;
+#else
+    constexpr bool kGather = true;
+#endif
+    const I low = V::set16(15), top = V::set16(static_cast<int16_t>(0xC000));
     for (int64_t s = 0; s * 8 < w.nb; ++s) {
-      // blocks 6 and 7's pairs (lo, hi each), gathered from units 0-2 and 3-5, used after block 5 (block order
-      // is the FMAs' order: the bits)
-      I late[4][8];
+      I late[4][8];  // blocks 6 and 7: lo, hi each (kGather: late[0] and late[1] the gathered bits)
       for (int k = 0; k < 6; ++k) {
         I d[8], lo[8], hi[8];
         for (int g = 0; g < N / kLanes; ++g) prefetch<W>(w.row(o + kLanes * g), stride, s * 8 + k);
         V::units(w, o, stride, s * 6 + k, d);
         transpose<N>(d, even, odd);
-        I* late_lo = late[k / 3 * 2];
-        I* late_hi = late[k / 3 * 2 + 1];
         for (int m = 0; m < 8; ++m) {
           lo[m] = V::srai16(d[m], 10);  // block k: sign-extended from bits 10-15 and 4-9
           hi[m] = V::srai16(V::slli16(d[m], 6), 10);
-          if (k % 3 == 0) {  // blocks 6, 7: element j's low 4 bits, element j + 16's, then both top 2 bits
-            late_lo[m] = V::and_(d[m], low);
-          } else if (k % 3 == 1) {
-            late_hi[m] = V::and_(d[m], low);
-          } else {
-            late_lo[m] = V::or_(late_lo[m], V::srai16(V::slli16(d[m], 14), 10));
-            late_hi[m] = V::or_(late_hi[m], V::andnot(low, V::srai16(V::slli16(d[m], 12), 10)));
+          const I nibble = V::and_(d[m], low);
+          if constexpr (kGather) {
+            I& bits = late[k / 3][m];
+            bits = k % 3 == 0 ? nibble : V::or_(bits, V::slli16(nibble, 4 * (k % 3)));
+          } else {  // widen's: the low 4 bits of element j, of j + 16, then the top 2 bits of both
+            I& lo_late = late[k / 3 * 2][m];
+            I& hi_late = late[k / 3 * 2 + 1][m];
+            if (k % 3 == 0) lo_late = nibble;
+            else if (k % 3 == 1) hi_late = nibble;
+            else lo_late = V::or_(lo_late, V::srai16(V::slli16(d[m], 14), 10)),
+                 hi_late = V::or_(hi_late, V::srai16(V::and_(V::slli16(d[m], 12), top), 10));
           }
         }
         block(s * 8 + k, lo, hi);
       }
-      block(s * 8 + 6, late[0], late[1]);
-      block(s * 8 + 7, late[2], late[3]);
+      for (int i = 0; i < 2; ++i) {
+        if constexpr (kGather) {  // the top 2 bits sign-extended into bits 4-5, as widen's
+          I lo[8], hi[8];
+          for (int m = 0; m < 8; ++m) {
+            const I p = late[i][m];
+            lo[m] = V::or_(V::and_(p, low), V::srai16(V::and_(V::slli16(p, 6), top), 10));
+            hi[m] = V::or_(V::and_(V::srli16(p, 4), low), V::srai16(V::and_(V::slli16(p, 4), top), 10));
+          }
+          block(s * 8 + 6 + i, lo, hi);
+        } else {
+          block(s * 8 + 6 + i, late[2 * i], late[2 * i + 1]);
+        }
+      }
     }
   }
   const int valid = static_cast<int>(std::min<int64_t>(N, w.n - o));
