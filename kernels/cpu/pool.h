@@ -140,8 +140,9 @@ class Pool {
 };
 
 // f(b, e) over [begin, end) in parts of at least `grain` (multiples of it), like at::parallel_for.
+// `per_thread`: chunks a thread (at most; every grain its own where there are fewer grains than that)
 template <typename F>
-void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, int64_t per_thread = 2) {
   const int64_t n = end - begin;
   if (n <= 0) return;
   const int threads = at::get_num_threads();
@@ -149,7 +150,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   // two chunks a thread: the others can take over an absent thread's share, and each chunk streams
   // through contiguous weights (every chunk start restarts the prefetchers on a decode's weights read
   // from RAM: four a thread cost 0.1 ms a step at one sequence and 1 ms at eight, eight more still)
-  const int64_t wanted = std::min<int64_t>({grains, int64_t{2} * threads, 0xffff});
+  const int64_t wanted = std::min<int64_t>({grains, per_thread * threads, 0xffff});
   if (threads > 1 && wanted > 1) {
     const int64_t step = (grains + wanted - 1) / wanted * grain;  // whole grains; the last chunk may be short
     const auto body = [](const void* p, int64_t b, int64_t e) { (*static_cast<const F*>(p))(b, e); };

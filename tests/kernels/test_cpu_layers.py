@@ -112,6 +112,31 @@ def test_decode_attention_reads_each_sequence_own_slots(Hq: int, Hkv: int, D: in
         cpu_ops.decode_attention(q, k_rows, v_rows, slots, torch.tensor([0, 1, 1, 1]), scale)
 
 
+def test_decode_attention_over_long_sequences_merges_its_parts() -> None:
+    """Past 256 keys a sequence's keys are attended in parts of 256 (its KV heads alone left a thread idle)
+    merged by their log-sum-exp: a float64 softmax over all of them; one of 256 keys or fewer, a single part, gives
+    the bits it gives alone, in any batch (batch invariance)."""
+    Hq, Hkv, D, S = 9, 3, 64, 3000
+    k_rows, v_rows = randn(S, Hkv * D), randn(S, Hkv * D)
+    counts = torch.tensor([1300, 256, 257, 1025, 40])
+    n, L = len(counts), int(counts.max())
+    q = randn(n, Hq, D)
+    slots = torch.stack([torch.randperm(S, generator=gen)[:L] for _ in range(n)]).contiguous()
+    scale = 1 / math.sqrt(D)
+    out, lse = cpu_ops.decode_attention(q, k_rows, v_rows, slots, counts, scale)
+    for i in range(n):
+        own = slots[i, : counts[i]]
+        k, v = k_rows[own].double().view(-1, Hkv, D), v_rows[own].double().view(-1, Hkv, D)
+        for h in range(Hq):
+            s = k[:, h // 3] @ q[i, h].double() * scale
+            close(out[i, h], torch.softmax(s, 0) @ v[:, h // 3], tol=1e-5)
+            close(lse[i, h], torch.logsumexp(s, 0), tol=1e-5)
+    for i in range(n):  # each alone: the same bits as in the batch
+        alone = cpu_ops.decode_attention(q[i : i + 1], k_rows, v_rows, slots[i : i + 1, : counts[i]].contiguous(),
+                                         counts[i : i + 1], scale)
+        assert torch.equal(alone[0][0], out[i]) and torch.equal(alone[1][0], lse[i])
+
+
 def test_the_model_gives_the_same_logits_with_and_without_the_fused_layers(tmp_path, monkeypatch) -> None:
     """The engine with the fused layers and with ATen's: the same prefill logits within float32
     rounding, and the same greedy tokens from decodes over a shared prefix (the cascade path)."""
