@@ -56,7 +56,8 @@ def _child(model: str, mode: str, threads: str, prompt_tokens: str, new_tokens: 
                                             tokenize=True, return_dict=False)
     else:
         text = "Tell me a long story about a cat who sails around the world and the friends she meets. " * 8
-        ids = tokenizer.encode(text, add_special_tokens=False)[: int(prompt_tokens)]
+        unit = tokenizer.encode(text, add_special_tokens=False)  # ~150 tokens: repeated up to prompt_tokens
+        ids = (unit * (int(prompt_tokens) // len(unit) + 1))[: int(prompt_tokens)]
     run = _llama_cpp if mode == LLAMA_CPP else _rosechat
     result = run(source, mode, int(threads), list(ids), int(new_tokens), int(streams), sampling)
     return {"mode": mode, "file_bytes": source.path.stat().st_size if source.path else 0, "sampling": sampling,
