@@ -28,6 +28,7 @@ import json
 import logging
 import mmap
 import os
+import secrets
 import struct
 import threading
 from collections.abc import Callable
@@ -181,7 +182,8 @@ class WeightCache:
         header["__metadata__"] = {META: json.dumps(meta)}
         text = json.dumps(header).encode()
         text += b" " * (-(8 + len(text)) % _ALIGN)
-        tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
+        # a token per write (two saves of one entry in a process), the pid last (cache_entries._abandoned reads it)
+        tmp = self.file.with_name(f"{self.file.name}.{secrets.token_hex(4)}.{os.getpid()}.tmp")
         try:  # anything that fails only costs the next load a repack
             self.file.parent.mkdir(parents=True, exist_ok=True)
             cache_entries.prune_abandoned(self.file)  # a killed writer's: its space, before this one takes more

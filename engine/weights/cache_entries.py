@@ -2,7 +2,7 @@
 header, and the removal of the entries no load will use again (`rosechat cache` lists and clears them).
 
 `prune` runs in the background after an entry is written and after one is loaded (cache.py). It removes:
-  * a temporary file (`<entry>.<pid>.tmp`, written then renamed) whose writer is gone: its process is not
+  * a temporary file (`<entry>.<token>.<pid>.tmp`, written then renamed) whose writer is gone: its process is not
     running on this machine and it has not been written to for ABANDONED_S (a writer on another machine
     sharing the folder has another process table, and writes continuously). A file being written stays;
   * an entry that cannot be read, is incomplete, has another LAYOUT_VERSION, or whose source GGUF file is
@@ -123,7 +123,7 @@ def _stale(version: object, source: dict) -> str:
 
 
 def _abandoned(tmp: Path, mtime: float, now: float) -> bool:
-    """Whether a temporary file's writer is gone (`<entry>.<pid>.tmp`): not written to for ABANDONED_S
+    """Whether a temporary file's writer is gone (`<entry>.<token>.<pid>.tmp`): not written to for ABANDONED_S
     and its process not running here (where /proc tells)."""
     if now - mtime < ABANDONED_S:
         return False

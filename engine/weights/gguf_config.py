@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -139,14 +140,19 @@ def config_then_tokenizer(model: Any, architecture: str, say: Callable[[str], No
             shutil.rmtree(folder, ignore_errors=True)
     say("converting the tokenizer")
     config = load_config(model, architecture)
-    tmp = None if folder is None else folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    if tmp is not None:
+    tmp = None
+    if folder is not None:
         try:  # here, not in the thread: the caller may set attributes on the config as it builds the model
+            # a name of its own per conversion: a load that failed after starting one (say on a refused
+            # quantization) leaves its thread to finish while the next load of the file starts another
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", suffix=".tmp", dir=folder.parent))
             config.save_pretrained(tmp)
             full = {**config.to_dict(), _ALIASES: dict(type(config).attribute_map)}
             (tmp / _FULL_CONFIG).write_text(json.dumps(full, indent=1, default=str))
         except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             tmp = None
     return config, _in_thread(lambda: _convert_tokenizer(model, config, folder, tmp))
 

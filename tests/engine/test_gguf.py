@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -301,3 +303,34 @@ def test_config_and_tokenizer_are_converted_once_then_cached(arch: str, gguf_dir
     monkeypatch.setenv("ROSECHAT_CACHE_DIR", str(tmp_path / "cache"))
     (folder / "tokenizer_config.json").write_text("{not json")
     assert load_model(str(path)).tokenizer.encode(text, add_special_tokens=False) == tok.encode(text).ids
+
+
+def test_two_conversions_of_one_file_in_one_thread_keep_their_own_folders(gguf_dir: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    """A load that fails after starting the tokenizer's conversion (a refused quantization) leaves it to
+    finish while the next load of the file, from the same thread, starts another: the second must not
+    write into a folder the first has already renamed into place (CI failed on exactly that)."""
+    from engine.weights import gguf_config
+    from engine.weights.gguf import GGUFModel
+
+    monkeypatch.setenv("ROSECHAT_CACHE_DIR", str(tmp_path / "cache"))
+    path = gguf_dir / "twice.gguf"
+    _, tok = write_gguf(path, "llama")
+    gates, started = [threading.Event(), threading.Event()], itertools.count()
+    convert = gguf_config.load_tokenizer
+
+    def gated(model, config):  # the first conversion ends before the second one saves
+        assert gates[next(started)].wait(30)
+        return convert(model, config)
+
+    monkeypatch.setattr(gguf_config, "load_tokenizer", gated)
+    first, second = (GGUFModel(path).config_then_tokenizer()[1] for _ in range(2))
+    cache = tmp_path / "cache" / "gguf"
+    assert len([p for p in cache.iterdir() if p.name.endswith(".tmp")]) == 2  # one each
+    gates[0].set()
+    first()
+    gates[1].set()
+    assert second().encode(PROMPT, add_special_tokens=False) == tok.encode(PROMPT).ids
+    assert [p.name for p in cache.iterdir() if p.name.endswith(".tmp")] == []
+    (folder,) = cache.iterdir()
+    assert (folder / "tokenizer.json").is_file()
