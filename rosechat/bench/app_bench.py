@@ -143,6 +143,19 @@ def _press(app: Any, key: str, char: str | None = None) -> None:
     app.post_message(event)
 
 
+def _underline_settled(app: Any) -> bool:
+    """Whether the tab bar's underline is under the active tab, not moving there."""
+    from textual.widgets import Tabs
+    from textual.widgets._tabs import Underline
+
+    tabs = app.tabbed.query_one(Tabs)
+    underline, tab = tabs.query_one(Underline), tabs.active_tab
+    if tab is None or app.animator.is_being_animated(underline, "highlight_end"):
+        return tab is None
+    span = tab.virtual_region.shrink(tab.styles.gutter).column_span
+    return (underline.highlight_start, underline.highlight_end) == span
+
+
 async def _until(app: Any, condition: Any, what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -215,7 +228,9 @@ async def app_round(pilot: Any, recorder: Recorder, prompt: str, tabs: int, keys
     box = new[-1].input
     _stamp_marks(box, lambda: (landed.append(time.perf_counter()), mark.set()))
     # What opening the tabs set off is done before Enter, as when a user types the message: the footer, for one,
-    # is composed again once focus has moved (~50 ms of the UI thread, counted in the reply's time if left running)
+    # is composed again once focus has moved (~50 ms of the UI thread, counted in the reply's time if left running),
+    # and the tab bar's underline slides to the new tab (0.3 s of frames, from a timer: not yet an animation here)
+    await _until(app, lambda: _underline_settled(app), "the tab bar's underline to reach the new tab", timeout)
     await pilot.wait_for_scheduled_animations()
 
     app.llm.on_step = res.steps.append  # the app's engine, on its thread (list.append: thread-safe)

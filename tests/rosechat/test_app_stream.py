@@ -91,3 +91,32 @@ async def test_the_ui_thread_yields_to_the_engine_threads_once_they_run(tmp_path
         assert len(engine) == 1 and engine[0].native_id is not None
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == max(before, UI_NICE)
         assert os.getpriority(os.PRIO_PROCESS, engine[0].native_id) == before
+
+
+async def test_a_chats_first_message_relabels_its_tab_without_sliding_the_underline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first message names the tab; Textual's Tabs would slide the underline to the new label's width
+    over 0.3 s, 18 frames of the tab bar and the screen below it while the first reply streams."""
+    from textual.widgets import Tabs
+    from textual.widgets._tabs import Underline
+
+    from tests.rosechat.test_app import ready, replied, send
+
+    slides: list[str] = []
+    animate = Underline.animate
+    monkeypatch.setattr(Underline, "animate", lambda self, name, *a, **k: (slides.append(name),
+                                                                           animate(self, name, *a, **k))[1])
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.wait_for_scheduled_animations()
+        slides.clear()
+        tab = await send(pilot, "name this chat after me")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        label = app.tabbed.get_tab(tab)
+        assert "name this chat" in label.label.plain
+        tabs, underline = app.tabbed.query_one(Tabs), app.tabbed.query_one(Underline)
+        span = lambda: label.virtual_region.shrink(label.styles.gutter).column_span  # noqa: E731
+        await wait_for(pilot, lambda: (underline.highlight_start, underline.highlight_end) == span(),
+                       "the underline under the new label")
+        assert slides == [] and tabs.active_tab is label
