@@ -5,10 +5,13 @@ header, and the removal of the entries no load will use again (`rosechat cache` 
   * a temporary file (`<entry>.<token>.<pid>.tmp`, written then renamed) whose writer is gone: its process is not
     running on this machine and it has not been written to for ABANDONED_S (a writer on another machine
     sharing the folder has another process table, and writes continuously). A file being written stays;
-  * an entry that cannot be read, is incomplete, has another LAYOUT_VERSION, or whose source GGUF file is
-    gone or has another size or mtime: no load can hit it again (its key includes them);
-  * of the entries of one source file still there (other quantizations or dtypes, or the kernels of
-    another CPU when the home folder moved or is shared), all but the KEEP_PER_FILE most recently used
+  * an entry that cannot be read, is incomplete, or whose source GGUF file is gone or has another size or
+    mtime: no load can hit it again (its key includes them);
+  * an entry of another LAYOUT_VERSION not used for OTHER_LAYOUT_KEEP_S: another rosechat install sharing the
+    folder (a release and a checkout, or two checkouts) loads its own entries, which refreshes them; pruning
+    them at once made two versions repack at every alternate load;
+  * of the entries of one source file and layout still there (other quantizations or dtypes, or the kernels
+    of another CPU when the home folder moved or is shared), all but the KEEP_PER_FILE most recently used
     (an entry's mtime: set when it is written and again each time it is loaded). So the cache stays
     within a small multiple of the GGUF files the user keeps, and shrinks when they go.
 The entry just written or loaded is always kept. Deleting an entry another process has mapped is safe on
@@ -33,6 +36,7 @@ LAYOUT_VERSION = 6  # bump when a packed format's tensors or their layout, or an
 # (5: an untied GGUF embedding is packed; 6: the header names its source file and variant, for pruning)
 META = "rosechat.weights"  # the safetensors metadata key of an entry's own header
 KEEP_PER_FILE = 2  # entries kept per source file: the variant in use and one other (e.g. a second CPU)
+OTHER_LAYOUT_KEEP_S = 14 * 86400  # an entry of another layout version (another install's) unused this long goes
 ABANDONED_S = 600  # a temporary file not written to for this long, by no process here, is abandoned
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class Entry:
     variant: str  # "quantization dtype ISA", e.g. "auto float32 avx2"
     stale: str  # why no load will use it again; "" when one may
     writing: bool = False  # a temporary file (being written, or abandoned if stale)
+    version: object = None  # its LAYOUT_VERSION, as its header says
 
 
 def folder() -> Path | None:
@@ -89,8 +94,9 @@ def source_stat(path: str) -> dict[str, int | str]:
 def describe(file: Path, now: float | None = None) -> Entry:
     """An entry or a temporary file, read from its header, and whether it is stale."""
     stat = file.stat()
+    now = time.time() if now is None else now
     if file.name.endswith(".tmp"):
-        gone = _abandoned(file, stat.st_mtime, time.time() if now is None else now)
+        gone = _abandoned(file, stat.st_mtime, now)
         return Entry(file, stat.st_size, stat.st_mtime, "", "", "abandoned: its writer is gone" if gone else "",
                      writing=True)
     meta: dict = {}
@@ -100,15 +106,17 @@ def describe(file: Path, now: float | None = None) -> Entry:
         source, variant = meta.get("source") or {}, meta.get("variant") or {}
         name = str(source.get("path", ""))
         what = " ".join(str(variant.get(k, "?")) for k in ("quantization", "dtype", "isa"))
-        stale = _stale(meta.get("version"), source)
+        if meta.get("version") != LAYOUT_VERSION:
+            what += f" (layout {meta.get('version')}: another rosechat's)"
+        stale = _stale(meta.get("version"), source, now - stat.st_mtime)
     except (CacheMiss, OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         name, what, stale = "", "", f"unreadable: {e}"
-    return Entry(file, stat.st_size, stat.st_mtime, name, what, stale)
+    return Entry(file, stat.st_size, stat.st_mtime, name, what, stale, version=meta.get("version"))
 
 
-def _stale(version: object, source: dict) -> str:
-    if version != LAYOUT_VERSION:
-        return f"layout version {version}, not {LAYOUT_VERSION}"
+def _stale(version: object, source: dict, unused_s: float) -> str:
+    if version != LAYOUT_VERSION and unused_s >= OTHER_LAYOUT_KEEP_S:
+        return f"layout version {version}, not {LAYOUT_VERSION}, unused for {unused_s / 86400:.0f} days"
     if not source.get("path"):
         return "names no source file"
     try:
@@ -150,10 +158,11 @@ def prune(root: Path, keep: Path | None = None, keep_per_file: int = KEEP_PER_FI
     found = entries(root)  # most recently used first
     doomed = [e for e in found if e.stale and e.file != keep]
     live = sorted((e for e in found if not e.stale and not e.writing), key=lambda e: e.file != keep)  # stable
-    count: dict[str, int] = {}
+    count: dict[tuple[str, object], int] = {}
     for entry in live:  # `keep` first, then by recency
-        count[entry.source] = count.get(entry.source, 0) + 1
-        if count[entry.source] > keep_per_file:
+        mine = (entry.source, entry.version)  # another layout's entries are another install's to keep
+        count[mine] = count.get(mine, 0) + 1
+        if count[mine] > keep_per_file:
             doomed.append(entry)
     return [e for e in doomed if _remove(e, "stale" if e.stale else "least recently used")]
 

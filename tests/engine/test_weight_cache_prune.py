@@ -106,7 +106,11 @@ def test_an_older_layout_junk_and_abandoned_files_go_files_being_written_stay(mo
             m.setattr(module, "LAYOUT_VERSION", now - 1)
         _load(model_file)
     (older,) = cache_entries.entries(cache_dir)
-    assert older.stale == f"layout version {now - 1}, not {now}"
+    assert older.stale == "" and f"(layout {now - 1}" in older.variant  # another install's, in use
+    unused = older.used - cache_entries.OTHER_LAYOUT_KEEP_S - 86400
+    os.utime(older.file, (unused, unused))
+    (older,) = cache_entries.entries(cache_dir)
+    assert older.stale == f"layout version {now - 1}, not {now}, unused for 15 days"
     junk = cache_dir / "junk-0123456789abcdef.safetensors"
     junk.write_bytes(b"\x10" + b"\0" * 63)
     old = cache_entries.ABANDONED_S + 60
@@ -161,3 +165,19 @@ def test_a_cleared_entry_keeps_serving_the_process_that_maps_it(model_file: Path
     assert len(removed) == 1 and left == [] and cache_entries.entries(cache_dir) == []
     assert torch.equal(PagedHarness(warm).step(prefills=[(0, IDS)]), before)
     assert not _warm(model_file)  # and the next load repacks
+
+
+def test_another_layouts_entries_in_use_stay_and_keep_their_own_count(model_file: Path, cache_dir: Path,
+                                                                      monkeypatch) -> None:
+    """Two rosechat installs sharing the cache folder (a release and a checkout) each keep their entries:
+    pruning the other's at every load made them repack the same file in turn."""
+    now = weight_cache.LAYOUT_VERSION
+    with monkeypatch.context() as m:
+        for module in (weight_cache, cache_entries):
+            m.setattr(module, "LAYOUT_VERSION", now + 1)
+        _load(model_file)
+    (other,) = cache_entries.entries(cache_dir)
+    assert not _warm(model_file)  # this install's own entry is written beside it
+    assert _warm(model_file)
+    assert cache_entries.prune(cache_dir, keep_per_file=1) == []
+    assert {e.version for e in cache_entries.entries(cache_dir)} == {now, now + 1} and other.file.exists()
