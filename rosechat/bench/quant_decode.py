@@ -113,12 +113,11 @@ def _rosechat(source, mode: str, threads: int, ids: list[int], n_new: int, n_str
 
 def _llama_cpp(source, mode: str, threads: int, ids: list[int], n_new: int, n_streams: int, sampling: str) -> dict:
     """llama.cpp's high-level API runs one sequence at a time: n streams run one after another."""
-    import llama_cpp
-    from llama_cpp import Llama
+    from rosechat.bench.llama_load import llama_ran, open_llama
 
     before = _status()
     start = time.perf_counter()
-    llm = Llama(model_path=str(source.path), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+    llm = open_llama(str(source.path), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
                 n_batch=512, verbose=False)
     load_s = time.perf_counter() - start
     after = _status()
@@ -139,8 +138,7 @@ def _llama_cpp(source, mode: str, threads: int, ids: list[int], n_new: int, n_st
         "rss_before": before, "rss_after": after,
         "prefill_tok_s": round(n_streams * len(ids) / prefill_s, 1),
         "decode_tok_s": round(n_streams * (n_new - 1) / decode_s, 1),
-        "ran": "llama.cpp " + " ".join(f for f in llama_cpp.llama_print_system_info().decode().split("|")
-                                      if f.strip().endswith("= 1") or "CPU :" in f).strip(),
+        "ran": llama_ran(),
     }
 
 

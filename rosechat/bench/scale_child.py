@@ -33,10 +33,10 @@ def child(system: str, path: str, threads: str, vocab: str, prompt_tokens: str, 
     warm, prompt = prompt_ids(8, int(vocab), 1), prompt_ids(n_prompt, int(vocab))
     stages = {}
     if system == LLAMA_CPP:
-        import llama_cpp
+        from rosechat.bench.llama_load import llama_ran, open_llama
 
         before, start = status(), time.perf_counter()
-        llm = llama_cpp.Llama(model_path=path, n_threads=int(threads), n_threads_batch=int(threads), n_ctx=2048,
+        llm = open_llama(path, n_threads=int(threads), n_threads_batch=int(threads), n_ctx=2048,
                               n_batch=512, verbose=False)
         load_s, after = time.perf_counter() - start, status()
         list(zip(range(4), llm.generate(warm, temp=0.0, top_k=1, reset=True)))
@@ -45,8 +45,7 @@ def child(system: str, path: str, threads: str, vocab: str, prompt_tokens: str, 
             first = first or time.perf_counter()
             if n >= n_new:
                 break
-        features = llama_cpp.llama_print_system_info().decode().split("|")
-        ran = "llama.cpp " + " ".join(f for f in features if f.strip().endswith("= 1") or "CPU :" in f).strip()
+        ran = llama_ran()
     else:
         import torch
 

@@ -155,19 +155,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                spec_name: lambda ps: _batch_round(spec, ps, n, how)}
     path = _gguf_path(model)
     if path and llama_cpp_available() and not args.no_llama_cpp:
-        from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        from rosechat.bench.llama_load import open_llama
 
         threads = torch.get_num_threads()
         # n_batch = n_ctx: with a draft model llama-cpp-python keeps every position's logits in a buffer of
         # n_batch rows, which a reply past n_batch tokens of context overflows (0.3.36)
-        kw = {"model_path": path, "n_threads": threads, "n_threads_batch": threads, "n_ctx": 4096, "n_batch": 4096,
+        kw = {"n_threads": threads, "n_threads_batch": threads, "n_ctx": 4096, "n_batch": 4096,
               "verbose": False}
         eos = set(plain.loaded.eos_token_ids)
-        lcpp = Llama(**kw)
+        lcpp = open_llama(path, **kw)
         systems["llama.cpp"] = lambda ps: _llama_round(lcpp, ps, n, eos, how)
         if lookup:  # llama-cpp-python's draft models are prompt lookup only
-            llama_lookup = Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=spec_config.get(
+            llama_lookup = open_llama(path, **kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=spec_config.get(
                 "num_speculative_tokens", 4), max_ngram_size=spec_config.get("prompt_lookup_max", 4)))
             systems["llama.cpp lookup"] = lambda ps: _llama_round(llama_lookup, ps, n, eos, how)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in prompts}

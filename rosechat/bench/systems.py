@@ -337,9 +337,9 @@ def llama_cpp_available() -> bool:
 class LlamaCppRunner(Runner):
     name = LLAMA_CPP
     def __init__(self, gguf_path: str, threads: int, n_ctx: int, sampling: str = GREEDY) -> None:
-        from llama_cpp import Llama
+        from rosechat.bench.llama_load import open_llama
 
-        self.llm = Llama(model_path=gguf_path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+        self.llm = open_llama(gguf_path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          n_batch=512, verbose=False)
         self._last: list[int] = []  # the tokens in llama.cpp's context after the last request
         super().__init__(sampling)

@@ -92,3 +92,31 @@ def test_the_busy_neighbour_computes_while_the_runs_go_on_and_is_gone_after() ->
         assert proc.poll() is None, "the neighbour died"
         assert cpu_ticks(proc.pid) >= 20  # 0.2 s of CPU: it computes, it does not sleep
     assert proc.poll() is not None  # killed and reaped
+
+
+@pytest.mark.parametrize(("flags", "env", "use"), [
+    ("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8", None, False),  # Sapphire Rapids and later
+    ("fpu avx2 avx512f avx512_vnni avx512_bf16", None, True),  # Zen 4
+    ("fpu avx2 fma", None, True),  # Zen 3
+    ("fpu avx2 avx512f amx_tile amx_int8", "on", True),
+    ("fpu avx2 fma", "off", False),
+])
+def test_llama_cpp_extra_buffer_types_follow_the_cpu_and_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      flags: str, env: str | None, use: bool) -> None:
+    """llama.cpp's AMX matmul crashes on AMX CPUs (llama-cpp-python 0.3.36): its extra buffer types are off
+    there by default, with the reason in the report, and the variable overrides either way."""
+    from rosechat.bench import llama_load
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(llama_load, "CPUINFO", str(cpuinfo))
+    if env is None:
+        monkeypatch.delenv(llama_load.ENV, raising=False)
+    else:
+        monkeypatch.setenv(llama_load.ENV, env)
+    allowed, why = llama_load.extra_bufts()
+    assert allowed is use and (why == "") is use
+    assert ("AMX" in why) is (not use and env is None)
+    monkeypatch.setenv(llama_load.ENV, "sometimes")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        llama_load.extra_bufts()
