@@ -66,3 +66,27 @@ def test_the_app_shows_every_token_the_engine_generated(capsys) -> None:
 def test_bad_arguments_are_refused(capsys) -> None:
     assert main(["app", "--tabs", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_app_against_engine_is_the_median_of_rounds_paired_in_time() -> None:
+    """A machine whose speed drifts: the best engine round (the machine fast) against the best app round (run
+    while it was slower) says 85 %; each app round against the engine round just before it says 90 %."""
+    from rosechat.bench.app_report import Round, render, row
+
+    def r(system: str, tok_s: float) -> Round:
+        return Round(system, 1, tokens=int(tok_s * 10), wall_s=10.0)
+
+    rounds = [r("engine", 200), r("thread", 200), r("app", 170),  # the machine fast, then slower
+              r("engine", 100), r("thread", 100), r("app", 95),  # slow
+              r("engine", 150), r("thread", 150), r("app", 135)]
+    figures = row(1, rounds)
+    assert figures["app_vs_engine"] == 0.9 and figures["app_vs_engine_range"] == [0.85, 0.95]
+    assert figures["app_vs_engine_best"] == 0.85 and figures["engine_tok_s"] == 200.0
+    report = {"header": {"model": "m", "dtype": "float32", "quantization": "auto", "threads": 2, "cpu": "c",
+                         "textual": "8", "source": "s", "kernels": "k", "sampling_source": "config",
+                         "sampling": {"temperature": 0.0, "repetition_penalty": 1.1, "repetition_window": 64,
+                                      "top_p": 0.9, "top_k": 0, "min_p": 0.0, "max_tokens": 8},
+                         "prompt": "p", "prompt_tokens": 3, "terminal": "80x24", "keys_per_s": 0, "repeats": 3,
+                         "load_before": 0, "load_after": 0, "wall_s": 1},
+              "rows": [row(1, rounds)], "targets": []}
+    assert "90% (85%-95%)" in render(report)
