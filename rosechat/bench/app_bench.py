@@ -146,10 +146,9 @@ def _press(app: Any, key: str, char: str | None = None) -> None:
 def _underline_settled(app: Any, moving_only: bool = False) -> bool:
     """Whether the tab bar's underline is under the active tab, not moving there (`moving_only`: not moving)."""
     from textual.widgets import Tabs
-    from textual.widgets._tabs import Underline
 
     tabs = app.tabbed.query_one(Tabs)
-    underline, tab = tabs.query_one(Underline), tabs.active_tab
+    underline, tab = tabs.query_one("Underline"), tabs.active_tab
     if tab is None or app.animator.is_being_animated(underline, "highlight_end"):
         return tab is None
     if moving_only:

@@ -45,6 +45,14 @@ if TYPE_CHECKING:
 JSON_INSTRUCTION = "\n\nAnswer with one JSON object whose keys name what you give."
 
 
+def _place_underline(tabs: Tabs) -> None:
+    """Put the tab bar's underline under its active tab at once (where Textual's Tabs would slide it)."""
+    if (active := tabs.active_tab) is not None:
+        underline = tabs.query_one("Underline")
+        underline.highlight_start, underline.highlight_end = active.virtual_region.shrink(
+            active.styles.gutter).column_span
+
+
 class ChatTab(TabPane):
     """One conversation. The app picks tabs and routes events; the tab does the rest."""
 
@@ -105,7 +113,7 @@ class ChatTab(TabPane):
         # tab bar and what lies between it and the reply, while the first reply of a chat streams
         with tab.prevent(Tab.Relabelled):
             tab.label = self._label(self.color, self.chat_title, self.json_mode)
-        tab.query_ancestor(Tabs)._highlight_active(animate=False)  # Textual's own redraw, unanimated
+        self.call_after_refresh(_place_underline, tab.query_ancestor(Tabs))  # once the new label is laid out
 
     def watch_chat_title(self) -> None:
         self._relabel()
