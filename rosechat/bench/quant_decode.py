@@ -193,9 +193,11 @@ def _median(xs: list[float]) -> float:
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    """One row per (system, sampling, streams): the median decode tok/s over the rounds, and the median
-    with its range of the ratios paired within each round, to llama.cpp ("vs_peer") and to the same
-    system's greedy ("vs_greedy")."""
+    """One row per (system, sampling, streams): the medians over the rounds of decode and prefill tok/s, load
+    time and the memory the load added (a fresh install's first load builds the weight cache and holds the
+    packed weights in anonymous memory: one round's figure, not the row's), and the median with its range of
+    the ratios paired within each round, to llama.cpp ("vs_peer") and to the same system's greedy
+    ("vs_greedy")."""
     def key(r: dict) -> tuple:
         return r["mode"], r.get("sampling", "greedy"), r["streams"]
 
@@ -204,8 +206,11 @@ def summarize(results: list[dict]) -> list[dict]:
 
     rows: dict[tuple, dict] = {}
     for r in results:
-        row = rows.setdefault(key(r), {**r, "runs": [], "vs_peer": [], "vs_greedy": []})
+        row = rows.setdefault(key(r), {**r, "runs": [], "vs_peer": [], "vs_greedy": [], "measures": []})
         row["runs"].append(r["decode_tok_s"])
+        before, after = r["rss_before"], r["rss_after"]
+        row["measures"].append((r["prefill_tok_s"], r["load_s"], after["RssAnon"] - before["RssAnon"],
+                                after["VmRSS"] - before["VmRSS"]))
         mode, sampling, streams = key(r)
         peer = of(LLAMA_CPP, sampling, streams, r.get("round", 0))
         if peer and mode != LLAMA_CPP:
@@ -215,6 +220,8 @@ def summarize(results: list[dict]) -> list[dict]:
             row["vs_greedy"].append(r["decode_tok_s"] / greedy["decode_tok_s"])
     for row in rows.values():
         row["decode_tok_s"] = round(_median(row["runs"]), 1)
+        row["prefill_tok_s"], row["load_s"], row["rss_anon"], row["rss"] = (
+            _median(list(xs)) for xs in zip(*row.pop("measures")))
     return list(rows.values())
 
 
@@ -236,8 +243,7 @@ def render_decode(results: list[dict]) -> str:
     for r in rows:
         if r["mode"] == LLAMA_CPP and r["streams"] > 1:
             r = {**r, "mode": "llama.cpp seq"}  # its Python API: one sequence at a time
-        anon = r["rss_after"]["RssAnon"] - r["rss_before"]["RssAnon"]
-        rss = r["rss_after"]["VmRSS"] - r["rss_before"]["VmRSS"]
+        anon, rss = r["rss_anon"], r["rss"]
         weights = r["packed_bytes"] + r["dense_bytes"]
         ratio = rss / r["file_bytes"] if r["file_bytes"] else float("nan")
         lines.append(f"{r['mode']:<14}{r.get('sampling', 'greedy'):>10}{r['streams']:>8}{r['load_s']:>8.1f}"

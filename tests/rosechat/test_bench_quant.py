@@ -63,6 +63,23 @@ def test_rounds_give_medians_and_ratios_paired_within_a_round() -> None:
     assert "1.30x (1.30-1.30)" in table and "0.90x" in table and "medians of 3 rounds" in table
 
 
+def test_memory_prefill_and_load_time_are_the_medians_of_the_rounds() -> None:
+    """A fresh install's first load builds the weight cache (the packed weights held in anonymous memory, a
+    slow load): the rows took the first round's figures, showing 1.3x the file where every later load adds
+    0.25x."""
+    mib = 2**20
+    results = [{"mode": "auto", "sampling": "greedy", "streams": 1, "round": r, "decode_tok_s": 100.0,
+                "packed_bytes": 1, "dense_bytes": 0, "file_bytes": 100 * mib, "load_s": load, "prefill_tok_s": pre,
+                "rss_before": {"VmRSS": 0, "RssAnon": 0}, "rss_after": {"VmRSS": rss * mib, "RssAnon": anon * mib}}
+               for r, (load, pre, rss, anon) in enumerate([(3.0, 500.0, 130, 106), (0.2, 1000.0, 25, -13),
+                                                            (0.3, 1100.0, 23, -14)])]
+    (row,) = quant_decode.summarize(results)
+    assert (row["load_s"], row["prefill_tok_s"]) == (0.3, 1000.0)
+    assert (row["rss"], row["rss_anon"]) == (25 * mib, -13 * mib)
+    line = quant_decode.render_decode(results).splitlines()[2]
+    assert line.split()[5:8] == ["-13", "25", "0.25"]
+
+
 @pytest.mark.skipif(not quant_decode.llama_cpp_available(),
                     reason="llama-cpp-python is an optional extra (.[llamacpp])")
 def test_llama_cpp_runs_as_a_peer_on_the_same_file() -> None:
