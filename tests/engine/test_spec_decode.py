@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.spec_decode import PAUSE_STEPS, NgramProposer, SpecState, SpeculativeConfig, StepCost, accepted
+from engine.spec_decode import (
+    MAX_PAUSE_STEPS,
+    PAUSE_STEPS,
+    NgramProposer,
+    SpecState,
+    SpeculativeConfig,
+    StepCost,
+    accepted,
+)
 from tests.helpers import TRITON_ON, make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -179,6 +187,30 @@ def test_a_sequence_whose_guesses_fail_pauses_then_tries_again() -> None:
         state.record(4, 0)
     assert [state.budget(4) for _ in range(PAUSE_STEPS)] == [0] * PAUSE_STEPS
     assert state.budget(4) == 2  # back, at half the guesses
+
+
+def _pause_after_failing(state: SpecState) -> int:
+    while not state.paused:
+        state.record(2, 0)
+    steps = 0
+    while state.budget(4) == 0:
+        steps += 1
+    return steps
+
+
+def test_tries_that_fail_again_pause_longer_until_guesses_stand_again() -> None:
+    """Free chat under a repetition penalty keeps a quarter of its guesses: a try every 16 steps cost more than
+    it gained, so each pause doubles the last (to a bound) until a check keeps half its guesses."""
+    state = SpecState()
+    pauses = [_pause_after_failing(state) for _ in range(6)]
+    assert pauses == [PAUSE_STEPS, 2 * PAUSE_STEPS, 4 * PAUSE_STEPS, 8 * PAUSE_STEPS, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS]
+    assert MAX_PAUSE_STEPS == 8 * PAUSE_STEPS
+    state.record(2, 1)  # half stood: editing text again
+    assert _pause_after_failing(state) == PAUSE_STEPS
+    # the cost rule's pauses (a try judged not worth its rows) lengthen the same way: each try it allows after
+    # one, at the hopeful rate, fails as the last did
+    state.not_worth()
+    assert state.paused == 2 * PAUSE_STEPS and state.rate == 0.5
 
 
 def test_a_sliding_window_model_keeps_the_plain_tokens(tmp_path) -> None:
