@@ -172,10 +172,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "num_speculative_tokens", 4), max_ngram_size=spec_config.get("prompt_lookup_max", 4)))
             systems["llama.cpp lookup"] = lambda ps: _llama_round(llama_lookup, ps, n, eos, how)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in prompts}
+    rounds: dict[str, dict[str, list[float]]] = {w: {} for w in prompts}  # each round's mean tok/s
     for _ in range(args.repeats):
         for workload, ps in prompts.items():
             for name, round_fn in (batched if workload.startswith("chat x") else systems).items():
                 got = round_fn(ps)
+                rounds[workload].setdefault(name, []).append(sum(g["tok_s"] for g in got) / len(got))
                 best = results[workload].setdefault(name, got)
                 for i, g in enumerate(got):  # best of the rounds, per prompt
                     if g["tok_s"] > best[i]["tok_s"]:
@@ -192,13 +194,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "repeats": args.repeats, "speculative_config": spec_config, "source": _source_version(),
                    "spec_cost": spec.spec_cost(),
                    "load_before": load_before, "load_after": _load(), "wall_s": round(time.perf_counter() - t0, 1)},
-        "tok_s": table, "identical": same,
+        "tok_s": table, "paired": paired_ratios(rounds), "identical": same,
         "acceptance": s.spec_accepted_tokens / max(s.spec_draft_tokens, 1),
         "tokens_per_check": (s.spec_accepted_tokens + s.spec_drafts) / max(s.spec_drafts, 1),
         "reply_tokens": {w: [len(t) for r in by["rosechat"] for t in (r["tokens"] if w.startswith("chat x")
                                                                      else [r["tokens"]])] for w, by in results.items()},
         "streams": args.streams,
     }
+
+
+def paired_ratios(rounds: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
+    """Per workload and system, each round's tok/s over plain rosechat's in the same round. The machine's speed
+    drifts between rounds (by 10-20 % on a shared host): best against best let one fast round of either system
+    decide a ratio that is meant to tell 0.95x from 1.0x."""
+    return {w: {name: [r / base for r, base in zip(rs, by["rosechat"])] for name, rs in by.items()}
+            for w, by in rounds.items()}
+
+
+def _ratio(xs: list[float]) -> str:
+    """Median and range of paired ratios ('0.96x (0.95-0.98)'); one: itself."""
+    xs = sorted(xs)
+    median = (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+    return f"{median:.2f}x" + (f" ({xs[0]:.2f}-{xs[-1]:.2f})" if len(xs) > 1 else "")
 
 
 def _gguf_path(model: str) -> str | None:
@@ -216,15 +233,15 @@ def render(report: dict[str, Any]) -> str:
         f"load average {h['load_before']} before, {h['load_after']} after | wall {h['wall_s']} s | source "
         f"{h['source']}",
         f"{_streams_line(report.get('streams', 1))}, {_sampling_line(h.get('sampling', GREEDY))}, up to "
-        f"{h['max_tokens']} tokens, best of {h['repeats']} "
-        f"alternated rounds; speculation {json.dumps(h['speculative_config'])}; step cost {h.get('spec_cost', '')}",
+        f"{h['max_tokens']} tokens, {h['repeats']} alternated rounds (tok/s: the best round per prompt; vs rosechat: "
+        f"the median (min-max) of the ratios paired within each round); speculation "
+        f"{json.dumps(h['speculative_config'])}; step cost {h.get('spec_cost', '')}",
         "",
-        "workload   system               decode tok/s   vs rosechat",
+        "workload   system               decode tok/s            vs rosechat",
     ]
     for workload, by in report["tok_s"].items():
-        base = by["rosechat"]
         for name, rate in by.items():
-            lines.append(f"{workload:<10} {name:<20} {rate:>12.1f}   {rate / base:>10.2f}x")
+            lines.append(f"{workload:<10} {name:<20} {rate:>12.1f}   {_ratio(report['paired'][workload][name]):>20}")
     lines += [
         "",
         f"guesses kept: {100 * report['acceptance']:.0f}% | tokens per check: {report['tokens_per_check']:.2f} | "
@@ -252,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-shape", metavar="SHAPE", help="instead of --model: a random-weight Q4_1 GGUF of this "
                    "shape (`bench scale`'s, e.g. 360M, 1.7B), for a draft model to draft for")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most")
-    p.add_argument("--repeats", type=int, default=2, help="rounds, alternated; the best of each is shown")
+    p.add_argument("--repeats", type=int, default=2, help="rounds, alternated: the best of each system's is "
+                   "shown, and the median of the ratios paired within a round")
     p.add_argument("--streams", type=int, default=1, metavar="N",
                    help="the chat workload as N chats decoded at once (aggregate tok/s, rosechat only); default 1")
     p.add_argument("--workloads", type=lambda v: [w for w in v.split(",") if w], default=list(WORKLOADS),
@@ -282,4 +300,4 @@ def main(argv: list[str]) -> int:
     return report_main("rosechat bench spec", args, run, render, lambda r: all(r["identical"].values()))
 
 
-__all__ = ["batch_rate", "chat_streams", "main"]
+__all__ = ["batch_rate", "chat_streams", "main", "paired_ratios"]

@@ -6,6 +6,7 @@ turns of a conversation."""
 from __future__ import annotations
 
 import collections
+import random
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from engine import LLMEngine, SamplingParams
 from engine.spec_decode import (
     MAX_PAUSE_STEPS,
     PAUSE_STEPS,
+    NgramIndex,
     NgramProposer,
     SpecState,
     SpeculativeConfig,
@@ -72,6 +74,32 @@ def test_proposer_takes_the_longest_latest_match() -> None:
     assert p.propose([1, 2, 3, 4], 3) == []  # nothing recurs
     assert p.propose([5, 5, 5, 5], 2) == [5]  # overlapping matches: the latest has one token after it
     assert NgramProposer(SpeculativeConfig(prompt_lookup_min=2)).propose([7, 1, 2, 8, 2], 3) == []
+
+
+def _lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The rule by its definition: the longest suffix (n_max down to n_min) with an earlier occurrence followed by
+    a token; what follows its latest such occurrence."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        starts = [s for s in range(size - n) if tokens[s : s + n] == tokens[size - n :]]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+@pytest.mark.parametrize("n_min,n_max", [(1, 3), (2, 4), (3, 3)])
+def test_the_growing_index_proposes_what_a_scan_of_the_whole_sequence_does(n_min: int, n_max: int) -> None:
+    """A sequence's index is extended as its tokens grow, one or several a step (a check keeps several),
+    and a new request's longer prompt starts it over."""
+    rng = random.Random(n_min * 10 + n_max)
+    for _ in range(20):
+        index, tokens = NgramIndex(n_min, n_max), [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+        for _ in range(60):
+            k = rng.randrange(1, 6)
+            assert index.propose(tokens, k) == _lookup(tokens, k, n_min, n_max), tokens
+            tokens += [rng.randrange(6) for _ in range(rng.choice((1, 1, 1, 3)))]
+        shorter = tokens[: rng.randrange(1, len(tokens))]
+        assert index.propose(shorter, 4) == _lookup(shorter, 4, n_min, n_max)
 
 
 def test_accepted_counts_the_leading_matches() -> None:
@@ -142,7 +170,7 @@ def test_unseeded_draws_have_the_plain_distribution(model_dir: str) -> None:
         torch.manual_seed(0)
         eng = _engine(model_dir, spec, num_blocks=400)
         if spec:
-            eng.scheduler.proposer.propose = lambda ids, k: greedy[0][0][len(ids) - len(prompt) :][:k]
+            eng.scheduler.proposer.propose = lambda ids, k, index=None: greedy[0][0][len(ids) - len(prompt) :][:k]
         outs = _run(eng, [prompt] * count, params)
         tallies.append(collections.Counter(tuple(o[0][1:]) for o in outs))
     s = eng.scheduler
@@ -235,7 +263,7 @@ def test_n_samples_whose_prompt_ends_on_a_one_token_chunk(model_dir: str, n: int
 def test_guesses_leave_a_token_for_every_later_decode(model_dir: str) -> None:
     """With a small token budget, guessing sequences must not crowd later ones out of a step."""
     eng = _engine(model_dir, NGRAM, max_num_batched_tokens=8)
-    eng.scheduler.proposer.propose = lambda ids, k: [int(ids[-1])] * k  # always guesses, as much as allowed
+    eng.scheduler.proposer.propose = lambda ids, k, index=None: [int(ids[-1])] * k  # always guesses, as much as allowed
     schedule, sat_out = eng.scheduler.schedule, []
 
     def watched():
@@ -252,7 +280,7 @@ def test_guesses_leave_a_token_for_every_later_decode(model_dir: str) -> None:
 def test_a_failed_sample_keeps_no_unchecked_guesses(model_dir: str) -> None:
     """Sample 0's detokenizer fails mid-step: its sibling's guesses are dropped, not reported as output."""
     eng = _engine(model_dir, NGRAM)
-    eng.scheduler.proposer.propose = lambda ids, k: [int(ids[-1])] * k
+    eng.scheduler.proposer.propose = lambda ids, k, index=None: [int(ids[-1])] * k
     append = eng.outputs.append
 
     def failing(seq, token):

@@ -474,7 +474,7 @@ def test_speculation_counters_reach_metrics_and_the_kv_map() -> None:
     """vLLM's spec-decode counters; the proposer here always guesses two tokens, so every decode step checks some."""
     llm = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=128, block_size=16,
                                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    llm.scheduler.proposer.propose = lambda ids, k: [ids[-1]] * k
+    llm.scheduler.proposer.propose = lambda ids, k, index=None: [ids[-1]] * k
     server = start_background(create_app(llm, ServerSettings(model_name="demo")))
     try:
         r = client(server).chat.completions.create(model="demo", messages=chat("count me"), max_tokens=12,
