@@ -103,8 +103,10 @@ class NgramProposer:
         return out
 
     def propose(self, tokens: list[int], k: int, index: NgramIndex | None = None) -> list[int]:
-        """At most k guesses to follow `tokens`, through the sequence's `index` (None: a fresh one)."""
-        return (index or NgramIndex(self.n_min, self.n_max)).propose(list(tokens) if index is None else tokens, k)
+        """At most k guesses to follow `tokens`, through the sequence's `index` (None: `tokens` alone)."""
+        if index is None:
+            index, tokens = NgramIndex(self.n_min, self.n_max), list(tokens)
+        return index.propose(tokens, k)
 
 
 class NgramIndex:

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rosechat.bench.report import median_range
 from rosechat.bench.sampling import SAMPLINGS, SAMPLINGS_LLAMA, describe, sampling_list
 from rosechat.bench.systems import LLAMA_CPP, llama_cpp_available
 
@@ -187,11 +189,6 @@ def run_decode(model: str, modes: list[str], threads: int, prompt_tokens: int, n
     return results
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
-
-
 def summarize(results: list[dict]) -> list[dict]:
     """One row per (system, sampling, streams): the medians over the rounds of decode and prefill tok/s, load
     time and the memory the load added (a fresh install's first load builds the weight cache and holds the
@@ -219,16 +216,10 @@ def summarize(results: list[dict]) -> list[dict]:
         if greedy and sampling != "greedy":
             row["vs_greedy"].append(r["decode_tok_s"] / greedy["decode_tok_s"])
     for row in rows.values():
-        row["decode_tok_s"] = round(_median(row["runs"]), 1)
+        row["decode_tok_s"] = round(statistics.median(row["runs"]), 1)
         row["prefill_tok_s"], row["load_s"], row["rss_anon"], row["rss"] = (
-            _median(list(xs)) for xs in zip(*row.pop("measures")))
+            statistics.median(list(xs)) for xs in zip(*row.pop("measures")))
     return list(rows.values())
-
-
-def _ratio(xs: list[float]) -> str:
-    if not xs:
-        return ""
-    return f"{_median(xs):.2f}x" + (f" ({min(xs):.2f}-{max(xs):.2f})" if len(xs) > 1 else "")
 
 
 def render_decode(results: list[dict]) -> str:
@@ -248,8 +239,8 @@ def render_decode(results: list[dict]) -> str:
         ratio = rss / r["file_bytes"] if r["file_bytes"] else float("nan")
         lines.append(f"{r['mode']:<14}{r.get('sampling', 'greedy'):>10}{r['streams']:>8}{r['load_s']:>8.1f}"
                      f"{weights / mib:>13.0f}{anon / mib:>14.0f}{rss / mib:>10.0f}{ratio:>10.2f}"
-                     f"{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{_ratio(r['vs_peer']):>22}"
-                     f"{_ratio(r['vs_greedy']):>22}")
+                     f"{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{median_range(r['vs_peer']):>22}"
+                     f"{median_range(r['vs_greedy']):>22}")
     ran = dict.fromkeys(f"  {r['mode']}: {r['ran']}" for r in results if r.get("ran"))
     note = [f"medians of {rounds} rounds; ratios paired within a round (median, min-max)"] if rounds > 1 else []
     return "\n".join([*lines, *note, "what ran:", *ran])

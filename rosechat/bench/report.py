@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from rosechat.bench.decode import DecodeReport
@@ -18,6 +19,14 @@ def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 1])."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def median_range(ratios: list[float]) -> str:
+    """Ratios paired within rounds as '1.30x (1.25-1.41)': their median and range ('' for none)."""
+    if not ratios:
+        return ""
+    text = f"{statistics.median(ratios):.2f}x"
+    return text + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from rosechat.bench.cli import _load, _source_version, report_main
+from rosechat.bench.report import median_range
 from rosechat.bench.sampling import GREEDY, SAMPLINGS, SAMPLINGS_LLAMA, describe
 from rosechat.bench.systems import llama_cpp_available
 
@@ -211,13 +212,6 @@ def paired_ratios(rounds: dict[str, dict[str, list[float]]]) -> dict[str, dict[s
             for w, by in rounds.items()}
 
 
-def _ratio(xs: list[float]) -> str:
-    """Median and range of paired ratios ('0.96x (0.95-0.98)'); one: itself."""
-    xs = sorted(xs)
-    median = (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
-    return f"{median:.2f}x" + (f" ({xs[0]:.2f}-{xs[-1]:.2f})" if len(xs) > 1 else "")
-
-
 def _gguf_path(model: str) -> str | None:
     from engine import resolve_model
 
@@ -241,7 +235,8 @@ def render(report: dict[str, Any]) -> str:
     ]
     for workload, by in report["tok_s"].items():
         for name, rate in by.items():
-            lines.append(f"{workload:<10} {name:<20} {rate:>12.1f}   {_ratio(report['paired'][workload][name]):>20}")
+            paired = median_range(report["paired"][workload][name])
+            lines.append(f"{workload:<10} {name:<20} {rate:>12.1f}   {paired:>20}")
     lines += [
         "",
         f"guesses kept: {100 * report['acceptance']:.0f}% | tokens per check: {report['tokens_per_check']:.2f} | "
