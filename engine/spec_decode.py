@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -37,12 +39,15 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
-        """From a dict, a JSON string (the CLI's), or None / "" / {} (off). Raises ValueError, naming the key."""
+        """From a dict, a JSON string (the CLI's), "auto" (the default: prompt lookup, k = 4, which pauses
+        itself where it would lose), or None / "" / "off" / {} (off). Raises ValueError, naming the key."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            if not value.strip():
+            if value.strip().lower() in ("", "off"):
                 return None
+            if value.strip().lower() == "auto":
+                return cls()
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
@@ -177,14 +182,17 @@ class SpecState:
         self.rate, self.paused, self.pause = max(self.rate, 0.5), self.pause, min(2 * self.pause, MAX_PAUSE_STEPS)
 
 
-COST_WEIGHT = 0.1  # of a step's time in its row count's running average
+# A row count's time is the median of its last COST_WINDOW decode-only steps: a running average (weight 0.1)
+# kept a one-off for dozens of steps, and free chat checks rarely, so its first check's time (one-time costs of
+# a new row count, another process's burst) decided: on avx2, 2-5 rows stood at ~11 ms where they took 6-8.
+COST_WINDOW = 9
 
 
 class StepCost:
-    """What a decode step costs by its rows, measured on the steps run: the running average time of
+    """What a decode step costs by its rows, measured on the steps run: the median time of recent
     decode-only steps per row count, fitted to base + per_row * rows for the counts not seen (the first
     extra row costs more than the later ones, e.g. one row's tiles are not several rows', so a count's own
-    average is used where there is one: a line through 1 and 5 rows put a 2-row step at 15 % over a plain
+    median is used where there is one: a line through 1 and 5 rows put a 2-row step at 15 % over a plain
     one where it took 35 %, and one guess at a 28 % rate looked worth taking). A check of k guesses is worth
     taking where the tokens it is expected to keep beyond the one a plain step gives outweigh the
     extra rows' time, counted in tokens of the whole batch (on a CPU each extra row costs most of a
@@ -192,7 +200,8 @@ class StepCost:
     what it decides depends on the machine's timing)."""
 
     def __init__(self) -> None:
-        self.times: dict[int, float] = {}  # rows -> running average seconds
+        self.times: dict[int, float] = {}  # rows -> median seconds of its recent steps
+        self.recent: dict[int, deque[float]] = {}  # rows -> its last COST_WINDOW steps' seconds
         self.on = os.environ.get("ROSECHAT_SPEC_COST", "measured") != "off"
         self.fit: tuple[float, float] | None = None  # (base, per_row); None before two row counts were seen
 
@@ -200,8 +209,9 @@ class StepCost:
         """A decode-only step's time; the fit is redone here, once a step (worth() is asked per sequence)."""
         if not self.on:
             return
-        old = self.times.get(rows)
-        self.times[rows] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+        recent = self.recent.setdefault(rows, deque(maxlen=COST_WINDOW))
+        recent.append(seconds)
+        self.times[rows] = statistics.median(recent)
         if len(self.times) >= 2:  # least squares over the row counts seen
             xs, ys = list(self.times), list(self.times.values())
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -218,7 +228,7 @@ class StepCost:
         return f"measured, {1000 * base:.1f} ms + {1000 * per_row:.2f} ms a row"
 
     def time(self, rows: int) -> float:
-        """A decode step of `rows` rows: its own running average where measured, else the fit's line."""
+        """A decode step of `rows` rows: its own recent median where measured, else the fit's line."""
         assert self.fit is not None
         return self.times.get(rows, self.fit[0] + self.fit[1] * rows)
 

@@ -100,8 +100,9 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads for the model (0 = PyTorch's default, one per core)")
     m.add_argument("--speculative-config", metavar="JSON",
-                   help='speculative decoding as vLLM takes it, e.g. \'{"method": "ngram", "num_speculative_tokens": '
-                   '4}\' (prompt lookup: the same reply, sooner where it repeats earlier text), or '
+                   help='speculative decoding as vLLM takes it: "auto" (the default: \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4}\', prompt lookup: the same reply, sooner where it repeats earlier '
+                   'text, paused where it would lose), "off", or '
                    '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (a smaller model with '
                    'the same tokenizer guesses)')
 

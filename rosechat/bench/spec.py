@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from rosechat.bench.scale_gguf import cached_gguf
 
         model = str(cached_gguf(args.target_shape, "Q4_1")[0])
-    plain = LLMEngine.from_pretrained(model, **common)
+    plain = LLMEngine.from_pretrained(model, speculative_config=None, **common)
     spec = LLMEngine.from_pretrained(model, speculative_config=spec_config, **common)
     texts = {w: WORKLOADS[w] for w in args.workloads}
     if args.streams > 1 and "chat" in texts:  # the chats at once, in one batch
@@ -174,16 +174,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             systems["llama.cpp lookup"] = lambda ps: _llama_round(llama_lookup, ps, n, eos, how)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in prompts}
     rounds: dict[str, dict[str, list[float]]] = {w: {} for w in prompts}  # each round's mean tok/s
-    for _ in range(args.repeats):
+    for workload in prompts:  # the table's rows in the systems' order, whichever ran first
+        for name in batched if workload.startswith("chat x") else systems:
+            rounds[workload][name] = []
+    for i in range(-args.warmup, args.repeats):
         for workload, ps in prompts.items():
-            for name, round_fn in (batched if workload.startswith("chat x") else systems).items():
+            order = list((batched if workload.startswith("chat x") else systems).items())
+            for name, round_fn in order if i % 2 == 0 else order[::-1]:  # each system first in turn
                 got = round_fn(ps)
-                rounds[workload].setdefault(name, []).append(sum(g["tok_s"] for g in got) / len(got))
+                if i < 0:  # warm-up: first uses, and the step cost (StepCost) measured as in an app running a while
+                    continue
+                rounds[workload][name].append(sum(g["tok_s"] for g in got) / len(got))
                 best = results[workload].setdefault(name, got)
-                for i, g in enumerate(got):  # best of the rounds, per prompt
-                    if g["tok_s"] > best[i]["tok_s"]:
-                        best[i] = g
-    table = {w: {name: sum(r["tok_s"] for r in rs) / len(rs) for name, rs in by.items()} for w, by in results.items()}
+                for j, g in enumerate(got):  # best of the rounds, per prompt
+                    if g["tok_s"] > best[j]["tok_s"]:
+                        best[j] = g
+    table = {w: {name: sum(r["tok_s"] for r in by[name]) / len(by[name]) for name in rounds[w]}
+             for w, by in results.items()}
     same = {w: all(a["tokens"] == b["tokens"] for a, b in zip(by["rosechat"], by[spec_name]))
             for w, by in results.items()}
     s = spec.cache_snapshot()
@@ -191,8 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "header": {"model": info.name, "dtype": info.dtype, "quantization": info.quantization, "kernels": info.kernels,
                    "threads": torch.get_num_threads(), "cpu": cpu_model(), "max_tokens": args.max_tokens,
-                   "sampling": args.sampling,
-                   "repeats": args.repeats, "speculative_config": spec_config, "source": _source_version(),
+                   "sampling": args.sampling, "repeats": args.repeats, "warmup": args.warmup,
+                   "speculative_config": spec_config, "source": _source_version(),
                    "spec_cost": spec.spec_cost(),
                    "load_before": load_before, "load_after": _load(), "wall_s": round(time.perf_counter() - t0, 1)},
         "tok_s": table, "paired": paired_ratios(rounds), "identical": same,
@@ -227,8 +234,9 @@ def render(report: dict[str, Any]) -> str:
         f"load average {h['load_before']} before, {h['load_after']} after | wall {h['wall_s']} s | source "
         f"{h['source']}",
         f"{_streams_line(report.get('streams', 1))}, {_sampling_line(h.get('sampling', GREEDY))}, up to "
-        f"{h['max_tokens']} tokens, {h['repeats']} alternated rounds (tok/s: the best round per prompt; vs rosechat: "
-        f"the median (min-max) of the ratios paired within each round); speculation "
+        f"{h['max_tokens']} tokens, {h['repeats']} rounds after {h.get('warmup', 0)} warm-up, each system first in "
+        f"turn (tok/s: the best round per prompt; vs rosechat: the median (min-max) of the ratios paired within each "
+        f"round); speculation "
         f"{json.dumps(h['speculative_config'])}; step cost {h.get('spec_cost', '')}",
         "",
         "workload   system               decode tok/s            vs rosechat",
@@ -264,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-shape", metavar="SHAPE", help="instead of --model: a random-weight Q4_1 GGUF of this "
                    "shape (`bench scale`'s, e.g. 360M, 1.7B), for a draft model to draft for")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most")
+    p.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
     p.add_argument("--repeats", type=int, default=2, help="rounds, alternated: the best of each system's is "
                    "shown, and the median of the ratios paired within a round")
     p.add_argument("--streams", type=int, default=1, metavar="N",
@@ -281,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.repeats < 1 or args.max_tokens < 2 or args.streams < 1:
-        print("rosechat bench spec: --repeats and --streams must be >= 1 and --max-tokens >= 2")
+    if args.repeats < 1 or args.max_tokens < 2 or args.streams < 1 or args.warmup < 0:
+        print("rosechat bench spec: --repeats and --streams must be >= 1, --warmup >= 0 and --max-tokens >= 2")
         return 2
     if not args.workloads or set(args.workloads) - set(WORKLOADS):
         print(f"rosechat bench spec: --workloads takes some of {', '.join(WORKLOADS)}")

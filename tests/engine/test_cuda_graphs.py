@@ -35,8 +35,9 @@ def _workload(eng: LLMEngine) -> list[list[int]]:
 
 def test_static_buffers_and_padding_match_the_eager_engine(llama_dir: str) -> None:
     """The graph path's buffer filling and padding, replayed eagerly (no CUDA here)."""
-    want = _workload(LLMEngine.from_pretrained(llama_dir, block_size=4, num_blocks=256))
-    eng = LLMEngine.from_pretrained(llama_dir, block_size=4, num_blocks=256, max_num_seqs=8)
+    # plain decode steps: the graphs' batch sizes (a speculative step's rows are not graphed)
+    want = _workload(LLMEngine.from_pretrained(llama_dir, block_size=4, num_blocks=256, speculative_config=None))
+    eng = LLMEngine.from_pretrained(llama_dir, block_size=4, num_blocks=256, max_num_seqs=8, speculative_config=None)
     runner = eng.runner
     runner.graphs = graphs = DecodeGraphs(runner.model, max_num_seqs=8, max_blocks_per_seq=64,
                                           device=runner.device, attention=runner.attention, capture=False)

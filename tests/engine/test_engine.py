@@ -238,11 +238,12 @@ def test_decodes_sharing_a_prefix_attend_it_once(llama_dir: str, monkeypatch: py
     monkeypatch.setattr(model_runner, "MIN_SAVED_KEYS", 64)
     system, *users = random_prompts(12, [100, 3, 9, 17, 30])
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    eng = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256)
+    eng = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256, speculative_config=None)  # one row each
     outs = eng.generate([system + u for u in users], params)
     assert ([0, 1, 2, 3], 12) in [g for step in groups for g in step]
     groups.clear()
-    solo = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256, enable_prefix_caching=False)
+    solo = LLMEngine.from_pretrained(llama_dir, block_size=8, num_blocks=256, enable_prefix_caching=False,
+                                     speculative_config=None)
     alone = solo.generate([system + u for u in users], params)
     assert not any(groups)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
@@ -277,7 +278,7 @@ def test_chunked_prefill_does_not_stall_decodes(llama_dir: str) -> None:
     while eng.groups[b].seqs[0].num_output_tokens == 0:
         before = len(eng.groups[a].seqs[0])
         eng.step()
-        assert len(eng.groups[a].seqs[0]) == before + 1, "a running decode was stalled by a prefill"
+        assert len(eng.groups[a].seqs[0]) > before, "a running decode was stalled by a prefill"  # (guesses: more)
         steps_while_b_prefills += 1
     assert steps_while_b_prefills >= 300 // 32
     done = drain_checked(eng)

@@ -41,7 +41,8 @@ SYSTEM = {"role": "system", "content": "you are a helpful assistant and answer b
 
 
 def make_engine(**overrides: Any) -> LLMEngine:
-    opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=256, seed=0)
+    # plain decoding: the traces are of its steps (speculation's are in test_spec_decode.py and test_spec_trace.py)
+    opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=256, seed=0, speculative_config=None)
     return LLMEngine.from_pretrained("demo", **{**opts, **overrides})
 
 

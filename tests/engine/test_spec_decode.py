@@ -13,6 +13,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.spec_decode import (
+    COST_WINDOW,
     MAX_PAUSE_STEPS,
     PAUSE_STEPS,
     NgramIndex,
@@ -120,6 +121,20 @@ def test_bad_config_is_refused_by_name(bad, message: str) -> None:
         SpeculativeConfig.parse(bad)
     assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse({}) is None
     assert SpeculativeConfig.parse('{"num_speculative_tokens": 2}').num_speculative_tokens == 2
+
+
+def test_speculation_is_prompt_lookup_by_default_and_off_when_asked(model_dir: str) -> None:
+    """What every user gets with no option (the app, serve, the Python API): "auto", prompt lookup with k = 4,
+    the same greedy tokens as plain decoding; "off" / None: none."""
+    assert SpeculativeConfig.parse("auto") == SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    assert SpeculativeConfig.parse(" Off ") is None and SpeculativeConfig.parse(None) is None
+    default = LLMEngine.from_pretrained(model_dir, block_size=4, num_blocks=128)  # no speculative_config
+    assert isinstance(default.scheduler.proposer, NgramProposer) and default.scheduler.proposer.k == 4
+    off = [_engine(model_dir, "off"), _engine(model_dir, None)]
+    assert [eng.scheduler.proposer for eng in off] == [None, None]
+    greedy = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    assert _run(default, PROMPTS, greedy) == _run(off[0], PROMPTS, greedy)
+    assert default.scheduler.spec_draft_tokens > 0 and off[0].scheduler.spec_draft_tokens == 0
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
@@ -339,6 +354,24 @@ def test_the_measured_cost_of_a_check_decides_how_many_guesses_pay(monkeypatch) 
     off.record(1, 0.010)
     off.record(5, 0.030)
     assert off.fit is None and off.worth(4, 0.1, rows=1) == 4
+
+
+def test_a_row_counts_time_is_the_median_of_its_recent_steps_not_its_first(monkeypatch) -> None:
+    """A new row count's first step carries one-off costs (another process's burst, first use of its tiles);
+    free chat checks rarely, so the first time must not stand for the row count for dozens of steps."""
+    monkeypatch.setenv("ROSECHAT_SPEC_COST", "measured")
+    cost = StepCost()
+    for _ in range(3):
+        cost.record(1, 0.004)
+    cost.record(2, 0.011)  # a one-off
+    assert cost.worth(4, 0.4, rows=1) == 0  # 2 rows at 2.75 plain steps: no guess pays at 0.4
+    cost.record(2, 0.0048)
+    cost.record(2, 0.005)
+    assert cost.time(2) == pytest.approx(0.005)  # the middle of three, where a running average kept 0.0098
+    assert cost.worth(4, 0.4, rows=1) == 1  # a guess at 0.4 beats the quarter step its row costs
+    for _ in range(COST_WINDOW):
+        cost.record(1, 0.006)  # the machine slowed down (or the context grew): only recent steps count
+    assert cost.time(1) == pytest.approx(0.006)
 
 
 def test_a_check_that_would_lose_is_not_taken_and_the_text_is_the_same(model_dir: str, monkeypatch) -> None:

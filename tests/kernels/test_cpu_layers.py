@@ -179,7 +179,8 @@ def test_a_decode_step_in_one_call_equals_the_module_path_bit_for_bit(tmp_path, 
         compute = type(loaded.model).compute_logits
         monkeypatch.setattr(loaded.model, "compute_logits", lambda h: logits.append(compute(loaded.model, h)) or
                             logits[-1])
-        engine = LLMEngine(loaded, EngineConfig(model="tiny", block_size=4, num_blocks=64))
+        # plain decode steps, one row per sequence (a speculative check's rows take the same call, counted apart)
+        engine = LLMEngine(loaded, EngineConfig(model="tiny", block_size=4, num_blocks=64, speculative_config=None))
         engine.generate([shared], SamplingParams(max_tokens=1))  # its blocks in the prefix cache
         logits.clear()
         outs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, n=n))

@@ -45,7 +45,8 @@ def test_the_app_shows_every_token_the_engine_generated(capsys) -> None:
         assert row["latency_samples"] >= 1 and 0 < row["latency_ms_median"] <= row["latency_ms_max"], row
         for system in SYSTEMS:
             assert row[f"{system}_tok_s"] > 0
-            assert row["steps"][system]["steps"] >= MAX_TOKENS  # the engine's steps were counted on each side
+            # the engine's steps were counted on each side: a step gives a token, or up to 1 + 4 with speculation
+            assert row["steps"][system]["steps"] >= MAX_TOKENS // 5
     assert sorted((r["system"], r["tabs"]) for r in report["rounds"]) == sorted(
         (s, t) for s in SYSTEMS for t in (1, 4))
     for r in report["rounds"]:  # keys timed in the app's rounds only, each a real time

@@ -54,3 +54,24 @@ def test_the_ratio_to_plain_is_paired_within_each_round() -> None:
               "acceptance": 0.5, "tokens_per_check": 2.0, "reply_tokens": {}, "identical": {"chat": True}}
     row = next(line for line in render(report).splitlines() if "rosechat ngram" in line)
     assert row.split()[-2:] == ["0.96x", "(0.96-1.12)"]
+
+
+def test_warm_up_rounds_are_not_counted_and_each_system_goes_first_in_turn(monkeypatch) -> None:
+    """The first round measures first uses and a step cost still being learned (8 chats: 0.91x plain in the first
+    round, 1.00x after); the system run second in a round met a different machine than the first."""
+    calls: list[str] = []
+
+    def fake_round(llm, prompts, max_tokens, sampling):
+        calls.append("spec" if llm.scheduler.proposer is not None else "plain")
+        return [{"tokens": [1, 2], "tok_s": float(len(calls))} for _ in prompts]
+
+    monkeypatch.setattr(spec, "_rosechat_round", fake_round)
+    args = build_parser().parse_args(["--model", "demo", "--no-llama-cpp", "--max-tokens", "6", "--repeats", "3",
+                                      "--warmup", "1", "--workloads", "edit,chat"])
+    report = spec.run(args)
+    rounds = [calls[i : i + 4] for i in range(0, len(calls), 4)]  # edit's two systems, then chat's
+    assert rounds == [["spec", "plain"] * 2, ["plain", "spec"] * 2, ["spec", "plain"] * 2, ["plain", "spec"] * 2]
+    # counted: the rounds after the warm-up (calls 5-16); chat's: plain 7, spec 8 | spec 11, plain 12 | plain 15...
+    assert report["paired"]["chat"]["rosechat ngram"] == pytest.approx([8 / 7, 11 / 12, 16 / 15])
+    assert [list(by) for by in report["tok_s"].values()] == [["rosechat", "rosechat ngram"]] * 2  # whoever ran first
+    assert "3 rounds after 1 warm-up" in render(report)

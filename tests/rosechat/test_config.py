@@ -182,7 +182,10 @@ def test_speculative_config_is_checked_and_reaches_the_engine(tmp_path: Path) ->
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     path.write_text(f'[model]\nname = "demo"\nspeculative_config = \'{spec}\'\n')
     assert load_config(path, user_file=None).engine_kwargs()["speculative_config"] == spec
-    assert load_config(user_file=None).engine_kwargs()["speculative_config"] is None  # "" (the default): off
+    assert load_config(user_file=None).engine_kwargs()["speculative_config"] == "auto"  # the default: on
+    for off in ("", "off"):
+        assert load_config(overrides={"model.speculative_config": off}, user_file=None
+                           ).engine_kwargs()["speculative_config"] in (None, "off")
     path.write_text('[model]\n\nspeculative_config = \'{"method": "medusa"}\'\n')
     with pytest.raises(ConfigError) as e:
         load_config(path, user_file=None)
