@@ -79,6 +79,10 @@ class DraftModelProposer:
         self.drafts: OrderedDict[int, _Draft] = OrderedDict()  # target seq_id -> draft, least recently used first
         self.forwards = self.draft_tokens = 0  # the draft's work, for the bench
 
+    def kind(self, seq: Sequence) -> int:
+        """A draft always has guesses, all of one kind."""
+        return 0
+
     def propose_batch(self, wanted: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
         """Up to k greedy guesses per (target sequence, k): seq_id -> guesses. Sequences the draft pool has no
         room for (or past the draft's context) get none."""

@@ -29,6 +29,7 @@ class Scheduler:
         self.step_cost = StepCost()  # decode steps' time by rows: what guesses cost (EngineCore records it)
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculation's counters
         self.spec_accepted_per_pos = [0] * (proposer.k if proposer else 0)  # kept guesses at each position
+        self.guess_rates: dict[int, float] = {}  # per kind of guess, what every sequence's checks gave (SpecState)
         self.spec_trace: SpecTrace | None = None  # what checks did to the pool since the last snapshot (once taken)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
@@ -212,11 +213,15 @@ class Scheduler:
             return 0
         if seq.spec is None:
             seq.spec = SpecState()
-        k = min(seq.spec.budget(self.proposer.k), group.params.max_tokens - seq.num_output_tokens - 1,
+        if seq.spec.paused:
+            return seq.spec.budget(self.proposer.k)  # 0, a step of the pause gone
+        if (kind := self.proposer.kind(seq)) is None:
+            return 0
+        seq.spec.kind, rate = kind, seq.spec.rate_of(kind, self.guess_rates)
+        k = min(seq.spec.budget(self.proposer.k, rate), group.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - len(seq) - 1)
-        if k > 0 and (k := self.step_cost.worth(k, seq.spec.rate, len(self.running))) == 0:
-            seq.spec.not_worth()  # a check would lose at its rate: a pause, then a try
-        return k
+        # a check that would lose at this kind's rate is not taken; the next step's guesses are judged anew
+        return self.step_cost.worth(k, rate, len(self.running)) if k > 0 else 0
 
     def _speculate(self, seq: Sequence, n: int, budget: int, guesses: list[int] | None) -> int:
         """Append the guesses of a decoding sequence that fit the step's budget and memory; returns how many."""
@@ -240,7 +245,7 @@ class Scheduler:
         self.bm.cache_full_blocks(seq, old)
         del seq.token_ids[len(seq) - k :]
         seq.num_draft_tokens = 0
-        seq.spec.record(k, keep)
+        seq.spec.record(k, keep, self.guess_rates)
         for pos in range(keep):
             self.spec_accepted_per_pos[pos] += 1
         self.spec_steps, self.spec_draft_tokens, self.spec_accepted_tokens = (

@@ -104,6 +104,7 @@ async def test_the_app_shows_speculation_in_the_panel(tmp_path: Path) -> None:
         await ready(pilot)
         # the greedy demo model repeats itself: a guess of its last token stands, the ones after it (another) do not
         app.llm.scheduler.proposer.propose = lambda ids, k, index=None: ([int(ids[-1])] + [int(ids[-1]) + 1] * k)[:k]
+        app.llm.scheduler.proposer.kind = lambda seq: 0  # guesses at every step, of one kind
         panel = app.query_one(KVPanel)
         shown: list[CacheSnapshot] = []
         show = panel.show

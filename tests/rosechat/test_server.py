@@ -475,6 +475,7 @@ def test_speculation_counters_reach_metrics_and_the_kv_map() -> None:
     llm = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=128, block_size=16,
                                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     llm.scheduler.proposer.propose = lambda ids, k, index=None: [ids[-1]] * k
+    llm.scheduler.proposer.kind = lambda seq: 0  # guesses at every step, of one kind
     server = start_background(create_app(llm, ServerSettings(model_name="demo")))
     try:
         r = client(server).chat.completions.create(model="demo", messages=chat("count me"), max_tokens=12,
