@@ -205,7 +205,8 @@ class SpecState:
         tried = kept + (kept < guessed)
         stood = kept / tried
         self.rate += RATE_WEIGHT * (stood - self.rate)
-        self.rates[self.kind] = (own := self.rate_of(self.kind, learned or {})) + RATE_WEIGHT * (stood - own)
+        own = self.rate_of(self.kind, learned or {})  # its first check of a kind counts as much as the prior
+        self.rates[self.kind] = own + (RATE_WEIGHT if self.kind in self.rates else 0.5) * (stood - own)
         if learned is not None:
             learned[self.kind] = (shared := learned.get(self.kind, 1.0)) + RATE_WEIGHT * (stood - shared)
         if 2 * kept >= guessed:

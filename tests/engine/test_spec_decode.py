@@ -268,14 +268,16 @@ def test_guesses_are_judged_by_the_rate_of_their_kind_learned_over_all_sequences
     assert proposer.kind(seq) is None
     learned: dict[int, float] = {}
     first, second = SpecState(kind=2), SpecState()
-    first.record(4, 0, learned)  # its first 2-gram guess failed
-    assert learned == {2: pytest.approx(0.7)} and first.rate_of(2, learned) == pytest.approx(0.7)
+    first.record(4, 0, learned)  # its first 2-gram guess failed: its own rate halfway from the prior
+    assert learned == {2: pytest.approx(0.7)} and first.rate_of(2, learned) == pytest.approx(0.5)
     assert second.rate_of(2, learned) == pytest.approx(0.7) and second.rate_of(4, learned) == 1.0
     second.kind = 2
     second.record(4, 2, learned)  # 2 of the 3 guesses tried stood (the 4th was never tried)
-    assert second.rate_of(2, learned) == pytest.approx(0.7 + 0.3 * (2 / 3 - 0.7))
+    assert second.rate_of(2, learned) == pytest.approx(0.7 + 0.5 * (2 / 3 - 0.7))
+    assert learned[2] == pytest.approx(0.7 + 0.3 * (2 / 3 - 0.7))
     assert second.rate == pytest.approx(1.0 + 0.3 * (2 / 3 - 1.0))
-    assert first.rate_of(2, learned) == pytest.approx(0.7)  # its own, not the others'
+    first.record(1, 1, learned)
+    assert first.rate_of(2, learned) == pytest.approx(0.5 + 0.3 * 0.5)  # its own, not the others'
 
 
 def test_a_sliding_window_model_keeps_the_plain_tokens(tmp_path) -> None:
@@ -416,3 +418,26 @@ def test_a_check_that_would_lose_is_not_taken_and_the_text_is_the_same(model_dir
         drafts[per_row] = eng.scheduler.spec_draft_tokens, eng.scheduler.spec_accepted_tokens
     (costly, costly_kept), (free, free_kept) = drafts[1.0], drafts[0.001]
     assert 0 < costly < free and costly_kept / costly > free_kept / free, drafts
+
+
+def test_a_sequence_tries_one_guess_of_a_kind_before_the_others_rate_judges_it(model_dir: str, monkeypatch) -> None:
+    """An edit after chats: every check so far says 2-grams rarely stand (the chats'), but this sequence's do. Its
+    first guess of the kind is taken alone, whatever the prior, and its own rate decides from then on (judged by
+    the chats' rate, an edit never guessed). Greedy text equal to plain decoding."""
+    monkeypatch.setenv("ROSECHAT_SPEC_COST", "measured")
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)]
+    prompt = PROMPTS[1]
+    plain = _run(_engine(model_dir, None), [prompt], params)
+    eng = _engine(model_dir, NGRAM)
+    cost = eng.scheduler.step_cost
+    cost.record(1, 2.0)
+    cost.record(5, 6.0)  # a row costs half a plain step
+    monkeypatch.setattr(cost, "record", lambda rows, seconds: None)  # the machine's timing left out
+    continuation = plain[0][0]
+    eng.scheduler.proposer.kind = lambda seq: 2
+    eng.scheduler.proposer.propose = lambda ids, k, index=None: continuation[len(ids) - len(prompt) :][:k]
+    eng.scheduler.guess_rates[2] = 0.1  # the chats' verdict: no check of 2-gram guesses pays at 0.1
+    assert _run(eng, [prompt], params) == plain
+    s = eng.scheduler
+    assert s.spec_accepted_per_pos[0] == s.spec_steps  # every check's first guess stood ...
+    assert s.spec_accepted_tokens == s.spec_draft_tokens > 8 and s.spec_steps > 4  # ... and it went on guessing
