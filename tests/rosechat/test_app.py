@@ -8,6 +8,7 @@ something that would have come after it (a marker), so that it is not merely "no
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -231,9 +232,20 @@ async def test_escape_stops_the_reply(tmp_path: Path) -> None:
     app = make_app(tmp_path, **{"sampling.max_tokens": 1500, "sampling.temperature": 0.0, "cache.num_blocks": 128})
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        # the engine waits after 20 steps until the stop is sent: the reply is mid-way when escape comes, however
+        # fast the model (speculation decodes the demo model's repetitive 1500 tokens in ~1 s) and the machine
+        stop_sent, step, steps = threading.Event(), app.llm.step, iter(range(20))
+
+        def held_step():
+            if next(steps, None) is None:
+                stop_sent.wait(PATIENCE)
+            return step()
+
+        app.llm.step = held_step
         tab = await send(pilot, "tell me a very long story")
         await wait_for(pilot, lambda: tab.reply is not None and tab.reply.text, "the first tokens")
         await pilot.press("escape")
+        stop_sent.set()
         await wait_for(pilot, lambda: replied(tab), "the stopped reply")
         assert tab.last_finished.finish_reasons == ("abort",)
         assert tab.last_finished.usage.completion_tokens < 1500

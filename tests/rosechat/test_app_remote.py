@@ -5,6 +5,7 @@ server dying mid-reply (the partial reply kept and marked, retry once it is back
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +23,24 @@ from tests.rosechat.test_app import SIZE, _footer, make_app, ready, replied, sen
 KEY = "remote-key"
 
 
-def _server(port: int = 0) -> BackgroundServer:
+def _server(port: int = 0, hold_after_steps: int | None = None) -> BackgroundServer:
+    """`hold_after_steps`: the engine stops stepping after that many steps until the server is told to exit, so
+    a reply is mid-way when a test cuts it, however fast the model (speculation made the demo model's 900
+    tokens take ~1 s) and however loaded the machine."""
     llm = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=128, block_size=16, cuda_graphs=False)
-    return start_background(create_app(llm, ServerSettings(model_name="demo", api_key=KEY)), port=port)
+    held: list[BackgroundServer] = []
+    if hold_after_steps is not None:
+        step, steps = llm.step, iter(range(hold_after_steps))
+
+        def holding_step():
+            if next(steps, None) is None:  # polled, not slept on: the exit is a flag on the server
+                while not (held and held[0].server.should_exit):
+                    time.sleep(0.005)
+            return step()
+
+        llm.step = holding_step
+    held.append(start_background(create_app(llm, ServerSettings(model_name="demo", api_key=KEY)), port=port))
+    return held[0]
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +83,8 @@ async def test_the_server_dying_mid_reply_keeps_the_partial_reply_and_retry_work
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    s = _server(port)
-    # 900 tokens: long enough to be cut mid-reply however loaded the machine, short enough that the
-    # retry's prompt (holding the cut reply) plus 900 stays inside the server's 2048-token context
+    s = _server(port, hold_after_steps=40)  # the reply is cut mid-way: its engine waits for the server's exit
+    # 900 tokens: the retry's prompt (holding the cut reply) plus 900 stays inside the server's 2048-token context
     app = remote_app(tmp_path, f"http://127.0.0.1:{port}", **{"sampling.max_tokens": 900})
     try:
         async with app.run_test(size=SIZE) as pilot:
