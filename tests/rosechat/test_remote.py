@@ -24,7 +24,9 @@ SYSTEM = "You are a helpful assistant. " * 12  # a few KV blocks for the prefix 
 
 
 def _server(port: int = 0, **settings) -> BackgroundServer:
-    llm = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=128, block_size=16, cuda_graphs=False)
+    # plain decoding: the abort tests need a greedy reply still running a while after its first token
+    llm = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=128, block_size=16, cuda_graphs=False,
+                                     speculative_config=None)
     return start_background(create_app(llm, ServerSettings(model_name="demo", **settings)), port=port)
 
 

@@ -22,7 +22,11 @@ SYSTEM = "You are a helpful assistant. " * 12  # a few KV blocks: what the prefi
 
 
 def _serve(**settings) -> Iterator[BackgroundServer]:
-    llm = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=128, block_size=16, cuda_graphs=False)
+    # plain decoding: the disconnect, abort and queue tests need a greedy reply still running a while after its
+    # first token, and speculation decodes the demo model's repetitive greedy text several tokens a step
+    # (speculation through the server: test_speculation_counters_reach_metrics_and_the_kv_map)
+    llm = LLMEngine.from_pretrained("demo", device="cpu", num_blocks=128, block_size=16, cuda_graphs=False,
+                                     speculative_config=None)
     server = start_background(create_app(llm, ServerSettings(model_name="demo", **settings)))
     try:
         yield server
