@@ -33,7 +33,7 @@ class EngineConfig:
     num_threads: int = 0  # torch's CPU threads (process-wide); 0 = leave torch's default
     seed: int | None = None  # the global RNG of unseeded requests; None = fresh per process
     # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4} (engine/spec_decode.py);
-    # "auto" is that prompt lookup, paused per sequence where it would lose; None / "off": off
+    # "auto" is that prompt lookup, guessing only where it is expected to gain; None / "off": off
     speculative_config: dict | str | None = "auto"
 
     def __init__(self, **kwargs) -> None:

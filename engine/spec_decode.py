@@ -39,8 +39,8 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
-        """From a dict, a JSON string (the CLI's), "auto" (the default: prompt lookup, k = 4, which pauses
-        itself where it would lose), or None / "" / "off" / {} (off). Raises ValueError, naming the key."""
+        """From a dict, a JSON string (the CLI's), "auto" (the default: prompt lookup, k = 4, guessing only
+        where it is expected to gain), or None / "" / "off" / {} (off). Raises ValueError, naming the key."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):

@@ -102,7 +102,7 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding as vLLM takes it: "auto" (the default: \'{"method": "ngram", '
                    '"num_speculative_tokens": 4}\', prompt lookup: the same reply, sooner where it repeats earlier '
-                   'text, paused where it would lose), "off", or '
+                   'text, guessing only where it is expected to gain), "off", or '
                    '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (a smaller model with '
                    'the same tokenizer guesses)')
 

@@ -173,13 +173,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "num_speculative_tokens", 4), max_ngram_size=spec_config.get("prompt_lookup_max", 4)))
             systems["llama.cpp lookup"] = lambda ps: _llama_round(llama_lookup, ps, n, eos, how)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in prompts}
-    rounds: dict[str, dict[str, list[float]]] = {w: {} for w in prompts}  # each round's mean tok/s
-    for workload in prompts:  # the table's rows in the systems' order, whichever ran first
-        for name in batched if workload.startswith("chat x") else systems:
-            rounds[workload][name] = []
+    runs = {w: list((batched if w.startswith("chat x") else systems).items()) for w in prompts}
+    # each round's mean tok/s; the table's rows in the systems' order, whichever ran first
+    rounds: dict[str, dict[str, list[float]]] = {w: {name: [] for name, _ in order} for w, order in runs.items()}
     for i in range(-args.warmup, args.repeats):
         for workload, ps in prompts.items():
-            order = list((batched if workload.startswith("chat x") else systems).items())
+            order = runs[workload]
             for name, round_fn in order if i % 2 == 0 else order[::-1]:  # each system first in turn
                 got = round_fn(ps)
                 if i < 0:  # warm-up: first uses, and the step cost (StepCost) measured as in an app running a while
