@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rosechat.engine_link import UI_NICE
+from rosechat.engine_link import GIL_SWITCH_S, UI_NICE
 from rosechat.widgets import chat
 from rosechat.widgets.reply_markdown import ReplyParagraph
 from tests.rosechat.test_app import SIZE, make_app, wait_for
@@ -75,6 +75,21 @@ async def test_many_deltas_end_as_the_whole_text(tmp_path: Path, monkeypatch: py
         assert "read(book)" in str(view.markdown.query_one("MarkdownFence")._content)
         await view.set_texts([text])  # the reply's end: nothing to change
         assert view.markdown.source == view.text == text
+
+
+async def test_a_thread_waiting_for_the_gil_gets_it_within_a_millisecond_once_the_engine_runs(
+        tmp_path: Path) -> None:
+    """The engine thread waits for the GIL after each of its kernels; the UI thread holds it through a layout.
+    Once the engine runs, a waiting thread asks the holder to let go after GIL_SWITCH_S, not Python's 5 ms."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # Python's default, whatever an earlier app in this process set
+    try:
+        app = make_app(tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.link.backend is not None, "the engine")
+            assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S) and GIL_SWITCH_S < 0.005
+    finally:
+        sys.setswitchinterval(before)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
