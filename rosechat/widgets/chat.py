@@ -43,8 +43,11 @@ ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 # UI thread's time comes straight out of the engine's two kernel threads on a 2-core machine).
 # At 0.07 (a redraw that cost 10 ms of the UI thread is followed by the next after 143 ms, not 100), on the
 # Intel AVX-512 machine, rounds alternated in one process: UI 0.77 -> 0.65 ms/token, app/engine 0.84 -> 0.91.
+# At 0.04 (AMD Zen 5, 2 cores, the default scheduler: no chrt), alternated in one process, 12 rounds each:
+# a 256-token reply at ~250 tok/s is written 3.8 times, not 6.2 (6.5 layouts, not 8.8), UI 0.79 -> 0.44 ms/token,
+# app/engine 0.83 -> 0.88. A slow reply (a few words a write, no new line) costs ~2 ms a write: still 10 a second.
 REDRAW_INTERVAL = 0.1
-REDRAW_SHARE = 0.07
+REDRAW_SHARE = 0.04
 REDRAW_MAX = 0.5
 
 
