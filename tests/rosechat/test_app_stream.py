@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -75,6 +76,37 @@ async def test_many_deltas_end_as_the_whole_text(tmp_path: Path, monkeypatch: py
         assert "read(book)" in str(view.markdown.query_one("MarkdownFence")._content)
         await view.set_texts([text])  # the reply's end: nothing to change
         assert view.markdown.source == view.text == text
+
+
+@pytest.mark.parametrize("ui_ms", [1.0, 12.0])
+async def test_the_next_redraw_waits_for_the_ui_threads_work_to_be_a_small_share(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ui_ms: float) -> None:
+    """After a write, the next one waits REDRAW_INTERVAL, or longer when the UI thread was busy since the
+    last: its CPU time over REDRAW_SHARE (12 ms of it: 0.3 s). The reply's clocks are faked: the UI thread's
+    advances `ui_ms` at each read, the wall's only when the test moves it."""
+    now, cpu = [0.0], [0.0]
+
+    def thread_time() -> float:
+        cpu[0] += ui_ms / 1000
+        return cpu[0]
+
+    want = min(max(chat.REDRAW_INTERVAL, ui_ms / 1000 / chat.REDRAW_SHARE), chat.REDRAW_MAX)
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        view = chat.MessageView("assistant")
+        await app.active_tab.log_view.mount(view)
+        monkeypatch.setattr(chat, "time", SimpleNamespace(monotonic=lambda: now[0], thread_time=thread_time))
+        await view.add_delta(0, "Once")  # the first write: at once, the next due REDRAW_INTERVAL on
+        assert view.markdown.source == "Once"
+        now[0] = chat.REDRAW_INTERVAL
+        await view.add_delta(0, " upon")  # due: written to the stream at once; the UI's time since the first
+        assert view._unwritten == "" and view._write_timer is None  # sets the pace
+        now[0] += want - 0.05
+        await view.add_delta(0, " a time")  # not due yet: kept, and written by a timer 0.05 s on
+        assert view._unwritten == " a time" and view._write_timer is not None
+        await wait_for(pilot, lambda: view.markdown.source == "Once upon a time", "the timer's write")
+    if ui_ms > 10:  # a costly redraw slows the next: the third piece waited well past REDRAW_INTERVAL
+        assert want - 0.05 >= 2 * chat.REDRAW_INTERVAL
 
 
 async def test_a_thread_waiting_for_the_gil_gets_it_within_a_millisecond_once_the_engine_runs(
