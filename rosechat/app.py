@@ -2,9 +2,8 @@
 
 The app lays the screen out and runs what its keys (rosechat/commands.py) and dialogs ask for. Its
 ``EngineLink`` (rosechat/engine_link.py) brings the backend up (a model loading in a thread worker,
-or a remote server) and carries the backend's events to the tabs and the panel: a 30 Hz timer has the
-link drain them when something is pending (as a reply ends, the backend's thread asks for a drain at once
-with an ``EngineEvents`` message).
+or a remote server) and carries the backend's events to the tabs and the panel: a 30 Hz timer posts
+one ``EngineEvents`` message when something is pending, and its handler has the link drain it.
 """
 
 from __future__ import annotations
@@ -208,23 +207,16 @@ class RoseChatApp(App[None]):
 
     # ------------------------------------------------------------------ engine events
     def _poll_soon(self) -> None:
-        """From the backend's thread, as a reply ends: a drain now, through a message (a callback scheduled from
-        another thread runs outside the app's context, where widgets cannot find their app)."""
+        """From the backend's thread, as a reply ends: poll now, on the UI's loop."""
         if (loop := self._loop) is not None:
             try:
-                loop.call_soon_threadsafe(self._post_drain)
+                loop.call_soon_threadsafe(self._poll_events)
             except RuntimeError:  # the loop has closed: the app is gone
                 pass
 
-    def _post_drain(self) -> None:
+    def _poll_events(self) -> None:
         if self.link.poll():
             self.post_message(self.EngineEvents())
-
-    def _poll_events(self) -> None:
-        """The 30 Hz timer (in the app's context): drains at once, not through a message to itself (~0.1 ms of
-        the UI thread each, 30 times a second while anything streams)."""
-        if self.link.poll():
-            self.link.drain()
 
     async def on_rose_chat_app_engine_events(self, _: EngineEvents) -> None:
         self.link.drain()

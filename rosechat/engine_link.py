@@ -5,8 +5,8 @@ one); once it runs the link holds the backend, connects the tabs to it and sends
 meanwhile, in order. If it never comes, the link holds why, and the queued messages stay unsent.
 
 The backend's thread (and the loader's) only appends to the link's ``EventBuffer``. On the app's
-30 Hz timer ``poll`` says when something waits and the app calls ``drain`` (as a reply ends,
-``EventBuffer.on_end``, the app posts itself one ``EngineEvents`` message, whose handler does): on the UI
+30 Hz timer (and as a reply ends: ``EventBuffer.on_end``) ``poll`` says when something waits; the
+app then posts itself one ``EngineEvents`` message, whose handler calls ``drain``: on the UI
 thread, each request's events go, as typed messages, to the tab that owns the request (until its
 last one), the newest cache snapshot and server figures to the KV panel, and load progress to the
 load bars. The tabs do the rest.
@@ -139,7 +139,7 @@ class EngineLink:
             self.backend.request_snapshot()
 
     def poll(self) -> bool:
-        """Whether the app should drain now: something waits, and no drain message is on its way."""
+        """Whether the app should post a drain now: something waits, and no drain is on its way."""
         if self._drain_posted or not self.events.pending:
             return False
         self._drain_posted = True
