@@ -62,8 +62,9 @@ def share_the_gil() -> None:
     needs the GIL between its kernels (the model's step releases it, a few milliseconds), and the UI thread
     holds it through a layout or a repaint (5-10 ms of Python while a reply streams): at 5 ms the engine
     waited out most of each one; at 1 ms more of the UI's work runs during the engine's kernels instead
-    (`rosechat bench app`'s rounds, 5 ms and 1 ms alternated in one run on 2 cores, medians of 8: one tab 88 -> 93 %
-    of the engine's tok/s, twice; four tabs 93 -> 98 %)."""
+    (`rosechat bench app`'s rounds under `chrt -f 10`, 5 ms and 1 ms alternated in one run on 2 cores, medians of 8:
+    one tab 88 -> 93 % of the engine's tok/s, twice; four tabs 93 -> 98 %. Under the default scheduler, as a user
+    runs it, the same alternation showed no difference: 86.2 against 86.7 %)."""
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
 
 
