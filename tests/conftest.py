@@ -1,8 +1,13 @@
+import atexit
 import os
+import shutil
 import tempfile
 
-# GGUF config/tokenizer conversions are cached per file: keep the tests' out of the user's cache.
-os.environ.setdefault("ROSECHAT_CACHE_DIR", tempfile.mkdtemp(prefix="rosechat-test-cache-"))
+# GGUF config/tokenizer conversions are cached per file: keep the tests' out of the user's cache, and remove
+# ours when the run ends (~200 MB of converted tokenizers and weight caches a run, left in /tmp before).
+if "ROSECHAT_CACHE_DIR" not in os.environ:
+    os.environ["ROSECHAT_CACHE_DIR"] = _cache_dir = tempfile.mkdtemp(prefix="rosechat-test-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
 # Triton kernels run under the interpreter on CPU-only machines; compiled where CUDA is present.
 # Must be set before triton.jit decorates anything, so it lives at the top of the root conftest.
