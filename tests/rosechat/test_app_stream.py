@@ -109,6 +109,40 @@ async def test_the_next_redraw_waits_for_the_ui_threads_work_to_be_a_small_share
         assert want - 0.05 >= 2 * chat.REDRAW_INTERVAL
 
 
+async def test_sending_a_message_lays_the_screen_out_once_both_its_views_are_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's message and its reply mount in one batch: no layout of the screen between the two mounts (each
+    one is ~7 ms of the UI thread on 2 cores while the engine computes the prompt), and both are laid out after."""
+    from textual.screen import Screen
+
+    from rosechat.widgets.tab import ChatTab
+    from tests.rosechat.test_app import ready, replied, send
+
+    layouts: list[int] = []
+    refresh_layout = Screen._refresh_layout
+    monkeypatch.setattr(Screen, "_refresh_layout",
+                        lambda self, *a, **k: (layouts.append(1), refresh_layout(self, *a, **k))[1])
+    during: list[int] = []
+    start_reply = ChatTab.start_reply
+
+    async def counted(self: ChatTab, *args: object, **kwargs: object) -> str:
+        before = len(layouts)
+        rid = await start_reply(self, *args, **kwargs)
+        during.append(len(layouts) - before)
+        return rid
+
+    monkeypatch.setattr(ChatTab, "start_reply", counted)
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tab = await send(pilot, "hello there")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        assert during == [0]
+        user, reply = tab.messages[-2].view, tab.messages[-1].view
+        assert user is not None and reply is not None and user.region.height and reply.region.height
+        assert reply.region.y > user.region.y
+
+
 async def test_a_thread_waiting_for_the_gil_gets_it_within_a_millisecond_once_the_engine_runs(
         tmp_path: Path) -> None:
     """The engine thread waits for the GIL after each of its kernels; the UI thread holds it through a layout.
