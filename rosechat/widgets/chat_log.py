@@ -85,6 +85,11 @@ class ChatLog(VerticalScroll):
         if self._folded and new_value < self._spacer.virtual_region.bottom + self.size.height:
             self.unfold()  # the user scrolls up towards it
 
+    def on_show(self) -> None:
+        """Its tab shown again: a fold asked for while it was hidden (a reply that ended there) found nothing laid
+        out and did nothing; once laid out, it folds."""
+        self.call_after_refresh(self.fold)
+
     def on_resize(self, event: Resize) -> None:
         if event.size.width != self._folded_width:
             self.unfold()  # heights change with the width: the spacer's would be wrong

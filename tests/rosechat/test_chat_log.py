@@ -88,3 +88,20 @@ async def test_a_reply_that_ends_folds_the_log(tmp_path: Path) -> None:
         await wait_for(pilot, lambda: replied(tab), "the reply")
         await wait_for(pilot, lambda: not _views(log)[0].display, "the log folded once the reply ended")
         assert _views(log)[-1].display and tab.messages[-1].view is _views(log)[-1]
+
+
+async def test_a_log_folds_when_its_tab_is_shown_again(tmp_path: Path) -> None:
+    """A fold asked for while the tab is hidden (a reply that ended there) finds nothing laid out; showing the
+    tab folds the log."""
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        log, _ = await _long_chat(pilot)
+        tab = app.active_tab
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.active_tab is not tab and not log.size, "the tab hidden")
+        log.fold()
+        assert all(v.display for v in _views(log))  # nothing to measure: nothing folded
+        app.tabbed.activate(tab)
+        await wait_for(pilot, lambda: not _views(log)[0].display, "the log folded once shown")
+        assert _views(log)[-1].display
