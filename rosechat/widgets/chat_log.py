@@ -54,7 +54,10 @@ class ChatLog(VerticalScroll):
 
     def fold(self) -> None:
         """Hide the children wholly more than FOLD_SCREENS screens above the view (see the class's note)."""
-        spacer, limit = self._spacer, self.scroll_y - self.FOLD_SCREENS * self.size.height
+        spacer = self.query_one_optional(".fold-spacer", Static)
+        if spacer is None:  # being removed (its tab closed): its children went first
+            return
+        limit = self.scroll_y - self.FOLD_SCREENS * self.size.height
         shown = [child for child in self.children[self.children.index(spacer) + 1 :] if child.display]
         if not all(child.size for child in shown):
             return  # not all laid out yet: their places are not known

@@ -105,3 +105,17 @@ async def test_a_log_folds_when_its_tab_is_shown_again(tmp_path: Path) -> None:
         app.tabbed.activate(tab)
         await wait_for(pilot, lambda: not _views(log)[0].display, "the log folded once shown")
         assert _views(log)[-1].display
+
+
+
+async def test_a_fold_on_a_log_being_removed_does_nothing(tmp_path: Path) -> None:
+    """A fold asked for after a refresh (a reply's end, the tab shown again) may run while the tab closes: Textual
+    removes the log's children first, so it finds no spacer. It does nothing (it raised NoMatches, which ended
+    the app, in a full suite's run of test_a_reply_in_progress_is_kept_on_tab_close_and_on_quit)."""
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        log, _ = await _long_chat(pilot)
+        await log.query_one(".fold-spacer").remove()  # as the log's removal does first
+        log.fold()
+        assert all(v.display for v in _views(log)) and app.return_code is None
