@@ -14,6 +14,7 @@ from textual.geometry import Region
 from textual.message import Message
 from textual.strip import Strip
 from textual.timer import Timer
+from textual.visual import VisualType
 from textual.widget import Widget
 from textual.widgets import Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
@@ -140,6 +141,17 @@ class ReplyStats:
         return " · ".join(parts)
 
 
+class Line(LaidOutOnce, Static):
+    """A message's role, a user's text, a reply's footer: laid out again only when its height changes. A new
+    footer ("generating…" to a reply's figures) is a repaint of its line, not a layout of the whole screen."""
+
+    def update(self, content: VisualType = "", *, layout: bool = True) -> None:
+        width, height = self.content_size
+        super().update(content, layout=False)
+        if layout and (not width or self.get_content_height(self.container_size, self.screen.size, width) != height):
+            self.refresh(layout=True)
+
+
 class MessageView(LaidOutOnce, Vertical):
     """One message. An assistant reply may hold several alternatives; one is shown at a time."""
 
@@ -159,12 +171,12 @@ class MessageView(LaidOutOnce, Vertical):
         self._lock = asyncio.Lock()
 
     def compose(self) -> ComposeResult:
-        yield Static(ROLE_LABELS.get(self.role, self.role), classes="role")
+        yield Line(ROLE_LABELS.get(self.role, self.role), classes="role")
         if self.role == "user":  # shown as typed: no Markdown
-            yield Static(Text(self.texts[0]), classes="user-text")
+            yield Line(Text(self.texts[0]), classes="user-text")
         else:
             yield ReplyMarkdown(self.texts[0])
-        yield Static("", classes="reply-footer")
+        yield Line("", classes="reply-footer")
 
     @property
     def markdown(self) -> Markdown:

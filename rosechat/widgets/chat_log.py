@@ -2,7 +2,7 @@
 
 The tab owns the conversation (which messages there are, which the model still sees); the log owns
 how they are laid out: it mounts each message's view, keeps the system line in step with its
-``system_prompt`` reactive, and places the marker above the oldest message the model still sees.
+``system_prompt`` var, and places the marker above the oldest message the model still sees.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.events import Resize
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.widget import Widget
 from textual.widgets import Static
 
@@ -33,7 +33,7 @@ class ChatLog(VerticalScroll):
 
     FOLD_SCREENS = 1
 
-    system_prompt: reactive[str] = reactive("", init=False)
+    system_prompt: var[str] = var("", init=False)  # a var: its watcher updates the line; the log draws nothing itself
 
     def __init__(self, system_prompt: str, *, classes: str | None = None) -> None:
         super().__init__(classes=classes)

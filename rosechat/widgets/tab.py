@@ -16,7 +16,7 @@ from textual.app import ComposeResult
 from textual.css.query import NoMatches
 from textual.markup import escape
 from textual.message import Message
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.widgets import Tab, TabbedContent, TabPane, Tabs
 
 from rosechat.widgets import clipboard
@@ -63,12 +63,14 @@ class ChatTab(TabPane):
             super().__init__()
             self.tab = tab
 
-    chat_title: reactive[str] = reactive(NEW_CHAT, init=False)
-    # A reactive for those who watch it (`rosechat bench app` times a reply's end by it); no class follows
-    # it: a class on the tab restyles every widget in it (~25 ms with a short chat) as a reply starts and ends.
-    generating: reactive[bool] = reactive(False, init=False)
-    system_prompt: reactive[str] = reactive("", init=False)
-    json_mode: reactive[bool] = reactive(False, init=False)  # replies held to a JSON object (a grammar)
+    # vars, not reactives: a tab draws nothing of its own, and a reactive's change repaints the whole tab (every
+    # widget in it, ~5 ms with a short chat) as a reply starts, is named and ends; watchers show each change.
+    chat_title: var[str] = var(NEW_CHAT, init=False)
+    # For those who watch it (`rosechat bench app` times a reply's end by it); no class follows it: a class
+    # on the tab restyles every widget in it (~25 ms with a short chat) as a reply starts and ends.
+    generating: var[bool] = var(False, init=False)
+    system_prompt: var[str] = var("", init=False)
+    json_mode: var[bool] = var(False, init=False)  # replies held to a JSON object (a grammar)
 
     def __init__(self, title: str, *, color: str, system_prompt: str, saver: Saver, id: str | None = None) -> None:
         super().__init__(self._label(color, title), id=id)
@@ -167,7 +169,7 @@ class ChatTab(TabPane):
         self.log_view.system_prompt = prompt  # the log's system line follows
 
     def set_system_prompt(self, prompt: str) -> None:
-        """A new system prompt from the user: shown (a reactive), saved, applied from the next reply."""
+        """A new system prompt from the user: shown (a var its watcher shows), saved, applied from the next reply."""
         if prompt == self.system_prompt:
             return
         self.system_prompt = prompt

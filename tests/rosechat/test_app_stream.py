@@ -143,6 +143,66 @@ async def test_sending_a_message_lays_the_screen_out_once_both_its_views_are_in(
         assert reply.region.y > user.region.y
 
 
+async def test_a_reply_does_not_repaint_its_whole_tab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tab draws nothing of its own: a reply starting, naming the chat and ending changes what the tab's
+    watchers show (its label), never a repaint of the tab (every widget in it, ~5 ms a time on 2 cores)."""
+    from rosechat.widgets.tab import ChatTab
+    from tests.rosechat.test_app import ready, replied, send
+
+    refreshed: list[dict[str, object]] = []
+    refresh = ChatTab.refresh
+    monkeypatch.setattr(ChatTab, "refresh", lambda self, *a, **k: (refreshed.append(k), refresh(self, *a, **k))[1])
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        refreshed.clear()
+        tab = await send(pilot, "hello there")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        assert not tab.generating and tab.chat_title == "hello there"
+        assert refreshed == []
+
+
+async def test_a_message_is_laid_out_once_and_a_footer_of_one_line_is_repainted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mounted message takes one layout of the screen, not a second one for its lines' first size; a reply's
+    footer that stays one line ("generating…" to its figures) is a repaint; one that wraps is laid out."""
+    from textual.screen import Screen
+
+    layouts: list[int] = []
+    refresh_layout = Screen._refresh_layout
+    monkeypatch.setattr(Screen, "_refresh_layout",
+                        lambda self, *a, **k: (layouts.append(1), refresh_layout(self, *a, **k))[1])
+    from tests.rosechat.test_app import ready
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        log = app.active_tab.log_view
+        await pilot.wait_for_scheduled_animations()
+        await pilot.pause()
+        layouts.clear()
+        with app.batch_update():  # as a tab mounts a message (start_reply): Textual's mount alone lays out twice
+            view = await log.add(chat.ChatMessage("user", "a question that fits on one line"))
+        await pilot.pause()
+        await pilot.pause()
+        assert view.region.height and len(layouts) == 1
+
+        reply = await log.add(chat.ChatMessage("assistant", "An answer."))
+        reply.set_footer("generating…")
+        await wait_for(pilot, lambda: reply.query_one(".reply-footer").region.height == 1, "the footer")
+        await pilot.pause()
+        layouts.clear()
+        reply.set_footer("12 tokens · TTFT 0.05 s · 240.0 tok/s")
+        await pilot.pause()
+        await pilot.pause()
+        footer = reply.query_one(".reply-footer", chat.Static)
+        assert layouts == [] and footer.render_lines(footer.size.region)[0].text.startswith("12 tokens")
+
+        reply.set_footer("a long footer " * 20)  # wraps: the reply grows
+        await wait_for(pilot, lambda: footer.region.height > 1, "the footer to wrap")
+        assert layouts
+
+
 async def test_a_thread_waiting_for_the_gil_gets_it_within_a_millisecond_once_the_engine_runs(
         tmp_path: Path) -> None:
     """The engine thread waits for the GIL after each of its kernels; the UI thread holds it through a layout.
