@@ -107,7 +107,6 @@ class Recorder:
 
     def __call__(self, message: Any) -> None:
         from rosechat.widgets.reply import ReplyText
-
         if isinstance(message, ReplyText):
             for index, text in message.deltas:
                 if index == 0:
@@ -303,6 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.model:
         overrides["model.name"] = args.model
     config = load_config(overrides=overrides, user_file=None)  # the shipped defaults, not the user's file
+    args.max_tokens = args.max_tokens or config.sampling.max_tokens  # the app's: config.toml's sampling.max_tokens
     try:
         source, notice = choose_model(config)
     except ModelChoiceError as e:
@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _size(s: str) -> tuple[int, int]:
-    w, _, h = s.lower().partition("x")
+    w, h = s.lower().split("x")  # anything else: argparse says the value is invalid
     return int(w), int(h)
 
 
@@ -376,10 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rosechat bench app", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="what the app and the engine load (default: the app's, config.toml's model.name)")
     p.add_argument("--tabs", default="1,4", help="comma-separated numbers of tabs sending at once (default 1,4)")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens in each reply (EOS ignored; default 256)")
+    p.add_argument("--max-tokens", type=int, help="tokens in each reply (EOS ignored; default: the app's)")
     p.add_argument("--repeats", type=int, default=2, help="rounds of each system, alternated; the best is shown")
-    p.add_argument("--keys-per-s", type=float, default=4.0, help="keys typed (and timed) a second while "
-                   "replies stream (0: none)")
+    p.add_argument("--keys-per-s", type=float, default=4.0, help="keys typed (and timed) a second while replies "
+                   "stream (0: none)")
     p.add_argument("--prompt", default=CHAT_PROMPT, help="the user message every tab sends")
     p.add_argument("--history", type=int, default=0, help="earlier turns shown in each tab before it sends (a long "
                    "chat; each reply the engine's to the prompt; default 0)")
@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     args.tabs = [int(x) for x in args.tabs.split(",") if x]
-    if not args.tabs or min(args.tabs) < 1 or args.repeats < 1 or args.max_tokens < 1:
+    if not args.tabs or min(args.tabs) < 1 or args.repeats < 1 or (args.max_tokens or 1) < 1:
         print("rosechat bench app: --tabs, --repeats and --max-tokens must be >= 1", file=sys.stderr)
         return 2
     # fails when a tab missed a token the engine generated, or its streamed text is not its final text

@@ -91,3 +91,21 @@ def test_app_against_engine_is_the_median_of_rounds_paired_in_time() -> None:
                          "load_before": 0, "load_after": 0, "wall_s": 1},
               "rows": [row(1, rounds)], "targets": []}
     assert "90% (85%-95%)" in render(report)
+
+
+def test_replies_run_to_the_apps_max_tokens_by_default(capsys, monkeypatch) -> None:
+    """Without --max-tokens, every reply is as long as the app lets one run (its config's sampling.max_tokens)."""
+    import rosechat.config
+
+    load_config = rosechat.config.load_config
+    monkeypatch.setattr(rosechat.config, "load_config", lambda overrides=None, **kw: load_config(
+        overrides={**(overrides or {}), "sampling.max_tokens": 7}, **kw))
+    threads = torch.get_num_threads()
+    try:
+        code = main(["app", "--model", "demo", "--tabs", "1", "--repeats", "1", "--keys-per-s", "0", "--json"])
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    assert report["header"]["sampling"]["max_tokens"] == 7
+    assert report["rows"][0]["app_tokens"] == report["rows"][0]["engine_tokens"] == 7
