@@ -274,8 +274,7 @@ def _bench_app_class() -> type:
     from rosechat.app import RoseChatApp
 
     class BenchApp(RoseChatApp):
-        """The app as it is, but every reply runs to max_tokens: the app's own sampling parameters
-        (`RoseChatApp.sampling_params`: the config's and the model's settings) with max_tokens and ignore_eos set."""
+        """The app as it is, its own sampling parameters (`RoseChatApp.sampling_params`) with max_tokens, no EOS."""
 
         CSS_PATH = str(Path(sys.modules[RoseChatApp.__module__].__file__ or "").with_name(RoseChatApp.CSS_PATH))
         max_tokens = 256
@@ -392,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     args.tabs = [int(x) for x in args.tabs.split(",") if x]
-    if not args.tabs or min(args.tabs) < 1 or args.repeats < 1 or (args.max_tokens or 1) < 1:
+    if not args.tabs or min(args.tabs) < 1 or args.repeats < 1 or (
+            args.max_tokens is not None and args.max_tokens < 1):
         print("rosechat bench app: --tabs, --repeats and --max-tokens must be >= 1", file=sys.stderr)
         return 2
     # fails when a tab missed a token the engine generated, or its streamed text is not its final text

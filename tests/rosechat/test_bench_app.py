@@ -109,3 +109,4 @@ def test_replies_run_to_the_apps_max_tokens_by_default(capsys, monkeypatch) -> N
     assert code == 0, report
     assert report["header"]["sampling"]["max_tokens"] == 7
     assert report["rows"][0]["app_tokens"] == report["rows"][0]["engine_tokens"] == 7
+    assert main(["app", "--model", "demo", "--max-tokens", "0"]) == 2  # a length given is still checked
