@@ -148,8 +148,8 @@ class Line(LaidOutOnce, Static):
     def update(self, content: VisualType = "", *, layout: bool = True) -> None:
         width, height = self.content_size
         super().update(content, layout=False)
-        if layout and (not width or self.get_content_height(self.container_size, self.screen.size, width) != height):
-            self.refresh(layout=True)
+        if layout:
+            self._lay_out_if_resized(width, height)
 
 
 class MessageView(LaidOutOnce, Vertical):

@@ -66,6 +66,14 @@ class LaidOutOnce(_Mixin):
     def _size_updated(self, size: Size, virtual_size: Size, container_size: Size, layout: bool = True) -> bool:
         return super()._size_updated(size, virtual_size, container_size, layout=False)
 
+    def _lay_out_if_resized(self, width: int, height: int) -> bool:
+        """After new content (repainted, not laid out): ask for a layout if it was never laid out or no longer
+        takes ``height`` lines at ``width`` (its content size before); True if it asked."""
+        if width and self.get_content_height(self.container_size, self.screen.size, width) == height:
+            return False
+        self.refresh(layout=True)
+        return True
+
 
 class ReplyParagraph(LaidOutOnce, MarkdownParagraph):
     """A paragraph that lays the screen out again only when its height changes."""
@@ -79,9 +87,8 @@ class ReplyParagraph(LaidOutOnce, MarkdownParagraph):
         if not self.is_mounted:  # a new block: mounting it lays the screen out
             return
         # Not laid out yet, or wrapped onto more (or fewer) lines: its size, and the screen's layout, change.
-        if not width or self.get_content_height(self.container_size, self.screen.size, width) != height:
+        if self._lay_out_if_resized(width, height):
             self.layouts += 1
-            self.refresh(layout=True)
 
 
 class ReplyMarkdown(LaidOutOnce, Markdown):

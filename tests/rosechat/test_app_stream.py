@@ -168,12 +168,12 @@ async def test_a_message_is_laid_out_once_and_a_footer_of_one_line_is_repainted(
     footer that stays one line ("generating…" to its figures) is a repaint; one that wraps is laid out."""
     from textual.screen import Screen
 
+    from tests.rosechat.test_app import ready
+
     layouts: list[int] = []
     refresh_layout = Screen._refresh_layout
     monkeypatch.setattr(Screen, "_refresh_layout",
                         lambda self, *a, **k: (layouts.append(1), refresh_layout(self, *a, **k))[1])
-    from tests.rosechat.test_app import ready
-
     app = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
