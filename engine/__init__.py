@@ -9,6 +9,7 @@ from engine.conversations import LLMEngine
 from engine.core import ContextLengthError, RequestError
 from engine.defaults import Defaults, cpu_model, kernel_status
 from engine.defaults import resolve as resolve_defaults
+from engine.engine_process import EngineLoadError, EngineProcess
 from engine.engine_thread import EngineThread
 from engine.events import (
     CacheSnapshot,
@@ -55,6 +56,8 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineInfo",
+    "EngineLoadError",
+    "EngineProcess",
     "EngineThread",
     "Finished",
     "LLMEngine",

@@ -110,6 +110,10 @@ class EngineThread:
     def request_snapshot(self) -> None:
         self._commands.put(Snapshot())
 
+    def put(self, command: Command) -> None:
+        """A command built elsewhere (ids and all): an EngineProcess's, from its pipe."""
+        self._commands.put(command)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._commands.put(Shutdown())

@@ -37,7 +37,7 @@ from rosechat.widgets.tab import ChatTab
 from rosechat.widgets.tabs import ChatTabs
 
 if TYPE_CHECKING:
-    from engine import CacheSnapshot, LLMEngine, ModelSource, SamplingParams
+    from engine import CacheSnapshot, EngineInfo, LLMEngine, ModelSource, SamplingParams
 
 # ESC + digit (alt+digit in tmux, screen, xterm, ...) reaches the app as alt+1…alt+9, not as
 # the macOS glyphs Textual makes of it ("¡", "™", ...): see rosechat/keys.py
@@ -71,8 +71,9 @@ class RoseChatApp(App[None]):
         self.history = history
         self.model = model  # None: chosen from the config when loading starts
         self.export_dir = export_dir  # None: history.export_dir from the config
-        self._engine_factory = engine_factory  # tests may pass one; default LLMEngine.from_pretrained
-        self.llm: LLMEngine | None = None  # the model, once loaded here (None with a remote server)
+        self._engine_factory = engine_factory  # tests may pass one (in this process); default an EngineProcess
+        self.llm: LLMEngine | None = None  # the model, once loaded in this process (an engine_factory's)
+        self.info: EngineInfo | None = None  # the model's, once loaded (None with a remote server)
         self.link = EngineLink(self, self.params_for)  # the backend, and its events to the tabs and the panel
         self.model_notice = model_notice  # why the demo model runs instead of the configured one
         self.saver = Saver(history, self._model_name, self.notify)
@@ -106,8 +107,8 @@ class RoseChatApp(App[None]):
             loop.call_soon_threadsafe(self.exit)
 
     def _model_name(self) -> str:
-        if self.llm is not None:
-            return self.llm.info.name
+        if self.info is not None:
+            return self.info.name
         if self.config.remote.url:
             return self.config.remote.model or self.config.remote.url
         return self.model.display_name if self.model is not None else self.config.model.name
@@ -163,19 +164,25 @@ class RoseChatApp(App[None]):
 
     @on(ModelLoader.Loaded)
     async def _model_loaded(self, event: ModelLoader.Loaded) -> None:
+        from engine import LLMEngine
+
         self.model, self.model_notice = event.model, event.notice
-        self.llm = event.llm
-        info = self.llm.info
+        if isinstance(event.engine, LLMEngine):
+            self.llm = event.engine
+            # What is alive now (the model's and tokenizer's objects, hundreds of thousands) lives as long as the
+            # app: out of the collector's sight, a full collection walks only what came since. One walked them
+            # all, and the engine thread that triggers it by allocating stalls meanwhile (~0.2-0.8 s on 2 cores).
+            gc.freeze()
+            backend: Backend = local_backend(self.llm, self.events.push)
+        else:  # an EngineProcess: started and loaded, its events already going to the buffer
+            backend = event.engine
+        self.info = info = event.engine.info
         if self.model_notice:
             self.notify(self.model_notice, title="Model not found", severity="warning", timeout=15)
         if info.notice:
             self.notify(info.notice, title="Model", timeout=10)
         self.sub_title = " · ".join([info.name, info.runs_on, info.dtype])
-        # What is alive now (the model's and tokenizer's objects, hundreds of thousands) lives as long as the
-        # app: out of the collector's sight, a full collection walks only what came since. One walked them all,
-        # and the engine thread that triggers it by allocating stalls meanwhile (~0.2-0.8 s on a 2-core machine).
-        gc.freeze()
-        await self.link.start(local_backend(self.llm, self.events.push))
+        await self.link.start(backend)
 
     @on(ChatTab.Idle)
     async def _tab_idle(self, event: ChatTab.Idle) -> None:
@@ -202,7 +209,7 @@ class RoseChatApp(App[None]):
         own generation defaults (a subclass may change them: `rosechat bench app` runs every reply to max_tokens)."""
         from engine import SamplingParams
 
-        model_defaults = self.llm.info.generation_defaults if self.llm is not None else {}  # a server: its own
+        model_defaults = self.info.generation_defaults if self.info is not None else {}  # a server: its own
         return SamplingParams(**self.config.sampling_kwargs(n, model_defaults))
 
     # ------------------------------------------------------------------ engine events

@@ -2,10 +2,11 @@
 and how fast the app takes a key while replies stream.
 
 The real app (`RoseChatApp`, headless through Textual's `run_test`, driven as Pilot drives it) with its
-default config and sampling settings, the model it finds by default, N tabs sending one chat prompt at the
-same moment; beside it, in the same run and on the same model object, the engine alone (`LLMEngine.step()`
-in a loop) and the engine on its thread (`EngineThread`, events to a counter, no UI) with the same messages,
-sampling parameters and number of sequences. The systems alternate, best of N rounds each. Every reply runs
+default config and sampling settings, the model it finds by default (loaded, as always, in its engine's
+child process), N tabs sending one chat prompt at the same moment; beside it, in the same run, the same
+model loaded here: the engine alone (`LLMEngine.step()` in a loop) and the engine on its thread
+(`EngineThread`, events to a counter, no UI) with the same messages, sampling parameters and number of
+sequences. The systems alternate, best of N rounds each. Every reply runs
 to max_tokens (EOS ignored), so all three generate the same number of tokens.
 """
 
@@ -237,7 +238,6 @@ async def app_round(pilot: Any, recorder: Recorder, prompt: str, tabs: int, keys
         await _until(app, lambda: _underline_settled(app, moving_only=True), "the tab bar's underline", timeout)
     await pilot.wait_for_scheduled_animations()
 
-    app.llm.on_step = res.steps.append  # the app's engine, on its thread (list.append: thread-safe)
     cpu0, t0 = time.thread_time(), time.perf_counter()  # this coroutine runs on the UI thread
     for tab in new:  # Enter's own action, every tab in one go
         tab.input.action_submit()
@@ -257,7 +257,6 @@ async def app_round(pilot: Any, recorder: Recorder, prompt: str, tabs: int, keys
             if time.perf_counter() - t0 > timeout:
                 raise BenchError(f"the app did not finish {tabs} replies in {timeout:.0f} s") from None
     res.wall_s, res.ui_cpu_s = max(ends.values()) - t0, time.thread_time() - cpu0
-    app.llm.on_step = None
     for tab in new:
         ev = tab.last_finished
         if ev is None or tab.reply is not None:
@@ -309,15 +308,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if notice:
         print(f"rosechat bench app: {notice}", file=sys.stderr)
     print(f"[bench app] loading {source.display_name}", file=sys.stderr, flush=True)
-    llm = LLMEngine.from_pretrained(source, **config.engine_kwargs())  # as the app's loader does
-    alone = LLMEngine(llm.loaded, dataclasses.replace(llm.config))  # the same model object, its own KV pool
+    alone = LLMEngine.from_pretrained(source, **config.engine_kwargs())  # as the app's engine process does
     messages = [{"role": "system", "content": config.chat.system_prompt}, {"role": "user", "content": args.prompt}]
     app_class = _bench_app_class()
     app_class.max_tokens = args.max_tokens
     recorder = Recorder()
     history = HistoryStore(config.history_path())
-    app = app_class(config, history, model=source, engine_factory=lambda _src, _progress: llm)
+    app = app_class(config, history, model=source)  # as `rosechat` runs: its engine loads in a child process
     rounds: list[Round] = []
+    backend: list[str] = []  # what the app's engine runs in
 
     async def drive() -> dict[str, Any]:
         async with app.run_test(size=args.size, message_hook=recorder) as pilot:
@@ -325,6 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not app.ready:
                 raise BenchError(f"the app could not load the model: {app.load_error}")
             params = app.sampling_params(1)
+            backend.append(type(app.engine).__name__)
             # an earlier turn's reply: the engine's own to this prompt
             history_reply = engine_round(alone, messages, dataclasses.replace(params, max_tokens=256), 1).texts[0] \
                 if args.history else ""
@@ -349,12 +349,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         history.close()
         tmp.cleanup()
-    info = llm.info
+    info = alone.info
     header = {
         "model": info.name,
         "dtype": info.dtype, "quantization": info.quantization, "kernels": info.kernels, "device": info.device,
         "threads": torch.get_num_threads(), "cpu": cpu_model() if info.device == "cpu" else info.device,
-        "sampling": sampling,
+        "sampling": sampling, "app_engine": backend[0],
         "sampling_source": "the app's defaults (config.toml [sampling], RoseChatApp.sampling_params)",
         "prompt": args.prompt, "system_prompt": config.chat.system_prompt,
         "prompt_tokens": len(alone.render_chat(messages)), "terminal": f"{args.size[0]}x{args.size[1]} headless",

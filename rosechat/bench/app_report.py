@@ -127,11 +127,12 @@ def render(report: dict[str, Any]) -> str:
               "active tab's input box. UI busy, UI ms/token: the UI thread's CPU time over the wall, per token "
               "(median of the app rounds). same text: app replies equal to the engine's.", "",
               "the engine's steps in the best round of each: mean ms per step in the model (forward + logits) and "
-              "on the host (schedule, inputs, sampling); outside: the wall's share between steps"]
+              "on the host (schedule, inputs, sampling); outside: the wall's share between steps (the app's engine "
+              "runs in its own process: its steps are not timed here)"]
     for r in report["rows"]:
         lines.append(f"  {r['tabs']} tab(s): " + "; ".join(
             f"{s} {f['steps']} steps, model {f.get('model_ms', 0):.2f}, host {f.get('host_ms', 0):.2f}, "
-            f"outside {f.get('outside_share', 0):.0%}" for s, f in r["steps"].items()))
+            f"outside {f.get('outside_share', 0):.0%}" for s, f in r["steps"].items() if f["steps"]))
     if report.get("targets"):
         lines += ["", "targets (issue 27; measured, not enforced):"]
         lines += [f"  [{'x' if t['met'] else ' '}] {t['name']}: {t['value']:.2f} (target {t['op']} {t['limit']:g})"

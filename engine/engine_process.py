@@ -1,0 +1,263 @@
+"""EngineProcess: the engine thread in a process of its own; the same commands and events, over a pipe.
+
+In one interpreter a front end's thread and the engine's share the GIL: each time one of the engine's
+kernels returns (three a decode step) it waits for whatever Python the front end is running, and on
+two cores one tab of the app streamed ~85-90 % of the engine's tok/s for that (`rosechat bench app`).
+Here the engine loads and steps in a child (vLLM v1 runs its EngineCore in one the same way): the
+front end keeps only a pipe, and a reader thread that hands each event to its callback.
+
+The child runs an ``EngineThread`` unchanged: its commands (built here, ids and all, as the thread's
+own methods build them) are pickled to it, and its events, loading progress included, come back one
+by one. The child is a fresh interpreter (not a fork: the parent has threads, a UI's and torch's, that
+fork would copy broken; not multiprocessing's spawn either, which imports the parent's __main__ again).
+If the child dies, every reply in flight ends with an ``EngineError`` saying so (with the last line it
+wrote to stderr), later commands fail the same way, and the front end stays up to say it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from engine.engine_thread import (
+    Abort,
+    Command,
+    DropConversation,
+    EngineThread,
+    ForkConversation,
+    Shutdown,
+    Snapshot,
+    StartConversation,
+    SubmitTurn,
+)
+from engine.events import EngineError, EngineInfo, Event, Finished
+from engine.sequence import SamplingParams
+from engine.weights.source import ModelSource
+
+
+class EngineLoadError(RuntimeError):
+    """The child could not load the model (the message says why), or died loading it."""
+
+
+@dataclass(frozen=True)
+class _Ready:
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class _LoadFailed:
+    error: str
+
+
+class EngineProcess:
+    """A started child with a loaded model (``start``), driven as an ``EngineThread`` is (the app's ``Backend``)."""
+
+    def __init__(self, source: ModelSource, overrides: dict[str, Any], on_event: Callable[[Event], None]) -> None:
+        self.source = dataclasses.replace(source, gguf=None)  # an open file does not pickle: the child reopens it
+        self.overrides = overrides  # LLMEngine.from_pretrained's keyword arguments
+        self.on_event = on_event  # called on the reader thread, loading progress too; must not block
+        self.info: EngineInfo | None = None  # once loaded
+        self._ids = itertools.count()
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()  # commands may come from several threads
+        self._live: dict[str, str | None] = {}  # request -> conversation, until its Finished or EngineError
+        self._loaded = threading.Event()
+        self._load_error: str | None = None
+        self._closing = False
+        self._dead: str | None = None  # why the child is gone, once it is
+        self._process: subprocess.Popen[bytes] | None = None
+        self._stderr: collections.deque[str] = collections.deque(maxlen=20)  # the child's last lines
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ life
+    def start(self) -> EngineProcess:
+        """Start the child and wait until its model has loaded; EngineLoadError if it does not."""
+        ours, theirs = socket.socketpair()
+        root = str(Path(__file__).resolve().parent.parent)  # where the engine package is, first on the child's path
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self._process = subprocess.Popen(
+            [sys.executable, "-P", "-c", "from engine.engine_process import _child_main; _child_main()",
+             str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, env=env, start_new_session=True)  # its own session: no ctrl+c of the terminal's
+        theirs.close()  # ours only: EOF here once the child has gone
+        self._conn = Connection(ours.detach())
+        self._conn.send((self.source, self.overrides))
+        for target, name in ((self._read, "rosechat-engine-events"), (self._read_stderr, "rosechat-engine-stderr")):
+            self._threads.append(threading.Thread(target=target, name=name, daemon=True))
+            self._threads[-1].start()
+        self._loaded.wait()
+        if self.info is None:
+            self.shutdown(timeout=1.0)
+            raise EngineLoadError(self._load_error or self._dead or "the engine process ended while loading")
+        return self
+
+    def cancel(self) -> None:
+        """Stop a load in progress (the app closed meanwhile): the child is ended, ``start`` raises."""
+        self._closing = True
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        self._send(Shutdown())
+        if self._process is not None:
+            try:
+                self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        if self._conn is not None:
+            self._conn.close()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    # ------------------------------------------------------------------ commands (any thread), as EngineThread's
+    def new_conversation(self, cache_salt: str | None = None) -> str:
+        cid = f"conv-{next(self._ids)}"
+        self._send(StartConversation(cid, cache_salt))
+        return cid
+
+    def submit_turn(self, conversation_id: str, messages: list[dict[str, str]], params: SamplingParams) -> str:
+        rid = f"turn-{next(self._ids)}"
+        self._live[rid] = conversation_id
+        self._send(SubmitTurn(conversation_id, list(messages), params, rid))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self._send(Abort(request_id))
+
+    def fork_conversation(self, conversation_id: str) -> str:
+        cid = f"conv-{next(self._ids)}"
+        self._send(ForkConversation(conversation_id, cid))
+        return cid
+
+    def drop_conversation(self, conversation_id: str) -> None:
+        for rid, cid in list(self._live.items()):  # its reply ends silently with it (as EngineThread's)
+            if cid == conversation_id:
+                self._live.pop(rid, None)
+        self._send(DropConversation(conversation_id))
+
+    def request_snapshot(self) -> None:
+        self._send(Snapshot())
+
+    def _send(self, command: Command) -> None:
+        with self._send_lock:
+            if self._dead is None and self._conn is not None:
+                try:
+                    self._conn.send(command)
+                    return
+                except (OSError, ValueError):  # the child went away: the reader says so
+                    pass
+        if not self._closing and isinstance(command, SubmitTurn):  # no one will answer it
+            self._end_live(self._dead or "the engine process has stopped")
+
+    # ------------------------------------------------------------------ events (reader thread)
+    def _read(self) -> None:
+        assert self._conn is not None
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as e:  # an event that does not unpickle: say so, keep reading
+                self._emit(EngineError(None, None, f"the engine sent what could not be read: {e}"))
+                continue
+            match message:
+                case _Ready(info=info):
+                    self.info = info
+                    self._loaded.set()
+                case _LoadFailed(error=error):
+                    self._load_error = error
+                    self._loaded.set()
+                case Finished(request_id=rid) | EngineError(request_id=rid) if rid is not None:
+                    self._live.pop(rid, None)
+                    self._emit(message)
+                case _:
+                    self._emit(message)
+        code = self._process.wait() if self._process is not None else None
+        for thread in self._threads[1:]:  # its last words
+            thread.join(1.0)
+        last = f": {self._stderr[-1]}" if self._stderr else ""
+        self._dead = f"the engine process stopped (exit code {code}){last}"
+        if self.info is not None and not self._closing:  # (one that never loaded: start raises it)
+            self._end_live(self._dead)
+            self._emit(EngineError(None, None, self._dead))
+        self._loaded.set()
+
+    def _read_stderr(self) -> None:
+        assert self._process is not None and self._process.stderr is not None
+        for line in self._process.stderr:  # read as it comes: a full pipe would stop the child
+            if text := line.decode(errors="replace").strip():
+                self._stderr.append(text)
+
+    def _end_live(self, why: str) -> None:
+        for rid in list(self._live):
+            if (cid := self._live.pop(rid, None)) is not None:  # (not ended meanwhile)
+                self._emit(EngineError(rid, cid, why))
+
+    def _emit(self, event: Event) -> None:
+        try:
+            self.on_event(event)
+        except Exception:  # a broken listener must not stop the reader
+            pass
+
+
+# ---------------------------------------------------------------------- the child
+def _child_main() -> None:
+    """Load the model, then run an EngineThread: commands from the pipe, its events (and load progress) into it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when the engine ends
+    conn = Connection(int(sys.argv[1]))
+    source, overrides = conn.recv()
+    lock = threading.Lock()  # the loader (this thread) and the engine thread both send
+
+    def send(message: object) -> None:
+        with lock:
+            try:
+                conn.send(message)
+            except (OSError, ValueError):  # the parent has gone: the command loop below ends on it too
+                pass
+
+    from engine.conversations import LLMEngine
+    from engine.weights.gguf import GGUFModel
+
+    try:
+        if source.kind == "gguf" and source.path is not None:
+            source = dataclasses.replace(source, gguf=GGUFModel(source.path))
+        llm = LLMEngine.from_pretrained(source, send, **overrides)
+    except Exception as e:
+        send(_LoadFailed(f"{type(e).__name__}: {e}"))
+        return
+    import gc
+
+    gc.freeze()  # the model's objects live as long as the process: a full collection need not walk them
+    thread = EngineThread(llm, send)
+    thread.start()
+    send(_Ready(llm.info))
+    while True:
+        try:
+            command = conn.recv()
+        except (EOFError, OSError):  # the parent has gone
+            command = Shutdown()
+        if isinstance(command, Shutdown):
+            thread.shutdown()
+            return
+        thread.put(command)
+
