@@ -157,6 +157,12 @@ class EngineLink:
                 self.app.notify(message.error.message, title="Engine error", severity="error", timeout=10)
         for error in batch.engine_errors:  # no request's: the engine's own
             self.app.notify(error.message, title="Engine error", severity="error", timeout=10)
+        if batch.loading:  # before the snapshot: a load quicker than a drain shows its stages too (a map ends it)
+            for bar in self.app.query("#loading-bar").results(LoadBar):
+                bar.show(batch.loading[-1])
+            for panel in self._panels():
+                for progress in batch.loading:
+                    panel.show_loading(progress)
         if batch.snapshot is not None:
             self.last_snapshot = batch.snapshot
             for panel in self._panels():  # none once the app is closing: a late snapshot is dropped
@@ -165,12 +171,6 @@ class EngineLink:
         if batch.server_stats is not None:
             for panel in self._panels():
                 panel.show_server(batch.server_stats)
-        if batch.loading and self.backend is None:  # the engine's first snapshot ends the load
-            for bar in self.app.query("#loading-bar").results(LoadBar):
-                bar.show(batch.loading[-1])
-            for panel in self._panels():
-                for progress in batch.loading:
-                    panel.show_loading(progress)
 
     def _panels(self) -> list[KVPanel]:
         """The KV panel (none once the app is closing, or under a dialog), found by its id: a search that

@@ -152,7 +152,7 @@ class ModelLoader(Vertical):
         self.factory = factory  # tests may pass one (an LLMEngine here); default an EngineProcess
         self.on_progress = on_progress  # thread-safe, never blocks (the app's EventBuffer.push)
         self.finished = False
-        self._process: EngineProcess | None = None  # while it loads (ended if the app closes meanwhile)
+        self._process: EngineProcess | None = None  # until the app has it (ended if the app closes first)
 
     def compose(self) -> ComposeResult:
         yield LoadBar(self.model.display_name if self.model else self.config.model.name, id="loading-bar")
@@ -181,7 +181,6 @@ class ModelLoader(Vertical):
             else:
                 self._process = EngineProcess(model, self.config.engine_kwargs(), self.on_progress)
                 engine = self._process.start()  # the child's load error: EngineLoadError, said as it is
-                self._process = None
         except (ModelChoiceError, EngineLoadError) as e:
             self._post(self.Failed(str(e)))
         except Exception as e:  # a broken checkpoint...: say so; the app stays up to say it
@@ -190,11 +189,12 @@ class ModelLoader(Vertical):
             self._post(self.Loaded(engine, model, self.notice))
 
     def on_unmount(self) -> None:
-        if self._process is not None:  # the app closes while the model loads: end the child with it
+        if self._process is not None:  # the app closes before it has the engine (loading, or just loaded)
             self._process.cancel()
 
     def on_model_loader_loaded(self, _: Loaded) -> None:
         self.finished = True
+        self._process = None  # the app's now (the message goes on to it)
         self.remove()  # its clock and bar with it
 
     def on_model_loader_failed(self, event: Failed) -> None:

@@ -146,3 +146,37 @@ async def test_queued_messages_stay_marked_not_sent_when_the_model_fails_to_load
         assert [m.content for m in app.history.load(tab.history_id).messages] == ["are you there?"]
         assert "the file is damaged" in app.query_one("#loading-bar", LoadBar).text
         assert "the file is damaged" in app.kv_panel.query_one(LoadBar).text
+
+
+async def test_the_engine_process_loads_reports_replies_and_ends_with_the_app(tmp_path: Path) -> None:
+    """As `rosechat` runs: the model loads in the engine's own process, its stages reach the panel, a reply
+    streams back, and quitting ends the process cleanly."""
+    from engine import EngineProcess
+    from tests.rosechat.test_app import make_app, send
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert isinstance(app.engine, EngineProcess) and app.llm is None  # no model in the UI's process
+        child = app.engine._process
+        log = app.kv_panel.query_one(StageLog)
+        await wait_for(pilot, lambda: len(log.stages) >= 2, "the load's stages in the panel")  # at the next drain
+        assert re.search(r"✓ \w.* +\d+\.\d s", str(log.render()))  # the child's load, stage by stage
+        tab = await send(pilot, "hello from the other process")
+        await wait_for(pilot, lambda: replied(tab), "the reply")
+        assert tab.last_finished.usage.completion_tokens > 0 and tab.messages[-1].content
+    assert child.wait(30) == 0  # asked to stop, it stopped by itself
+
+
+async def test_quitting_while_the_engine_process_loads_ends_it(tmp_path: Path) -> None:
+    from rosechat.widgets.loading import ModelLoader
+    from tests.rosechat.test_app import make_app
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        loader = app.query_one(ModelLoader)
+        await wait_for(pilot, lambda: loader._process is not None and loader._process._process is not None,
+                       "the engine process to start")
+        child = loader._process._process
+    # closed while loading (or just after): the process goes with the app, whichever came first
+    assert child.wait(30) is not None
