@@ -153,3 +153,39 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def test_the_childs_events_go_in_batches_text_waiting_at_most_flush_s() -> None:
+    """A reply's text waits (at most FLUSH_S) to go with more; any other event goes at once, after the text
+    before it, in order."""
+    from engine.engine_process import FLUSH_S, _Outbox
+    from engine.events import CacheSnapshot
+
+    class Conn:
+        def __init__(self) -> None:
+            self.sent: list[list] = []
+
+        def send(self, batch: list) -> None:
+            self.sent.append(batch)
+
+    conn = Conn()
+    box = _Outbox(conn)
+    deltas = [TokenDelta("turn-1", "conv-0", 0, f"w{i}") for i in range(5)]
+    for d in deltas:
+        box.put(d)
+    snap = CacheSnapshot(1, 16, (0,), (0,), ((),))
+    box.put(snap)
+    assert conn.sent == []  # text and snapshots wait for more
+    box.flush(older_than=60.0)
+    assert conn.sent == []  # not yet old enough for the fallback
+    end = EngineError("turn-1", "conv-0", "stopped")
+    box.put(end)
+    assert conn.sent == [[*deltas, snap, end]]  # an end goes at once, with what came before it
+    box.put(deltas[0])
+    time.sleep(FLUSH_S)
+    box.put(deltas[1])  # the oldest has waited FLUSH_S: both go
+    assert conn.sent[1:] == [deltas[:2]]
+    box.put(deltas[2])
+    time.sleep(FLUSH_S)
+    box.flush(older_than=FLUSH_S)  # the child's command loop, when the engine sends nothing more
+    assert conn.sent[2:] == [deltas[2:3]]
