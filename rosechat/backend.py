@@ -1,9 +1,10 @@
 """What the app talks to: a backend that runs conversations and reports events.
 
-The in-process ``EngineThread`` is one; ``RemoteBackend``, a client of any OpenAI-compatible server,
-is the other (it also reports ``ServerStats``, a server's KV figures). Tabs see only this interface,
-never which backend it is. Commands may be called from the UI thread and
-return at once; results come back as engine events (``TurnStarted``, ``TokenDelta``,
+The app's own is an ``EngineProcess`` (the engine thread in a child process: engine/engine_process.py);
+an ``EngineThread`` in this process is one too (a test's engine_factory); ``RemoteBackend``, a client of any
+OpenAI-compatible server, is another (it also reports ``ServerStats``, a server's KV figures). Tabs see
+only this interface, never which backend it is. Commands may be called from the UI thread and return at
+once; results come back as engine events (``TurnStarted``, ``TokenDelta``,
 ``TurnPreempted``, ``Finished``, ``EngineError``, ``CacheSnapshot``) through the callback the
 backend was built with.
 """

@@ -58,7 +58,8 @@ GIL_SWITCH_S = 0.001  # the interpreter's switch interval once the engine runs (
 
 
 def share_the_gil() -> None:
-    """A thread waiting for the GIL asks its holder to let go after GIL_SWITCH_S, not 5 ms. The engine thread
+    """For an engine in this process (an engine_factory's; the app's own runs in a child, beyond the GIL):
+    a thread waiting for the GIL asks its holder to let go after GIL_SWITCH_S, not 5 ms. The engine thread
     needs the GIL between its kernels (the model's step releases it, a few milliseconds), and the UI thread
     holds it through a layout or a repaint (5-10 ms of Python while a reply streams): at 5 ms the engine
     waited out most of each one; at 1 ms more of the UI's work runs during the engine's kernels instead
