@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import os
 import signal
 import socket
 import subprocess
@@ -88,16 +87,18 @@ class EngineProcess:
     def start(self) -> EngineProcess:
         """Start the child and wait until its model has loaded; EngineLoadError if it does not."""
         ours, theirs = socket.socketpair()
-        root = str(Path(__file__).resolve().parent.parent)  # where the engine package is, first on the child's path
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        root = str(Path(__file__).resolve().parent.parent)  # this engine package's folder: first on the child's path
+        code = f"import sys; sys.path.insert(0, {root!r}); from engine.engine_process import _child_main; _child_main()"
         self._process = subprocess.Popen(
-            [sys.executable, "-P", "-c", "from engine.engine_process import _child_main; _child_main()",
-             str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, env=env, start_new_session=True)  # its own session: no ctrl+c of the terminal's
+            [sys.executable, "-c", code, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True)  # its own session: the terminal's ctrl+c is the front end's
         theirs.close()  # ours only: EOF here once the child has gone
         self._conn = Connection(ours.detach())
-        self._conn.send((self.source, self.overrides))
+        try:
+            self._conn.send((self.source, self.overrides))
+        except OSError:  # it died starting: the reader says how
+            pass
         for target, name in ((self._read, "rosechat-engine-events"), (self._read_stderr, "rosechat-engine-stderr")):
             self._threads.append(threading.Thread(target=target, name=name, daemon=True))
             self._threads[-1].start()

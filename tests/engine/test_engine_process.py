@@ -189,3 +189,15 @@ def test_the_childs_events_go_in_batches_text_waiting_at_most_flush_s() -> None:
     time.sleep(FLUSH_S)
     box.flush(older_than=FLUSH_S)  # the child's command loop, when the engine sends nothing more
     assert conn.sent[2:] == [deltas[2:3]]
+
+
+def test_the_child_runs_this_engine_whatever_folder_it_starts_in(tiny_llama: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "engine").mkdir()  # a folder of the user's that happens to hold an `engine` package
+    (tmp_path / "engine" / "__init__.py").write_text("raise ImportError('not rosechat\\'s engine')\n")
+    monkeypatch.chdir(tmp_path)
+    proc = EngineProcess(resolve_model(str(tiny_llama)), SETTINGS, lambda e: None).start()
+    try:
+        assert proc.info is not None and proc.is_alive
+    finally:
+        proc.shutdown()
