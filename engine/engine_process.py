@@ -31,19 +31,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from engine.engine_thread import (
-    Abort,
-    Command,
-    DropConversation,
-    EngineThread,
-    ForkConversation,
-    Shutdown,
-    Snapshot,
-    StartConversation,
-    SubmitTurn,
-)
+from engine.engine_thread import Command, Commands, DropConversation, EngineThread, Shutdown, SubmitTurn
 from engine.events import CacheSnapshot, EngineError, EngineInfo, Event, Finished, TokenDelta
-from engine.sequence import SamplingParams
 from engine.weights.source import ModelSource
 
 FLUSH_S = 0.01  # how long a reply's new text may wait in the child to go with more (the app draws at 30 Hz)
@@ -63,7 +52,7 @@ class _LoadFailed:
     error: str
 
 
-class EngineProcess:
+class EngineProcess(Commands):
     """A started child with a loaded model (``start``), driven as an ``EngineThread`` is (the app's ``Backend``)."""
 
     def __init__(self, source: ModelSource, overrides: dict[str, Any], on_event: Callable[[Event], None]) -> None:
@@ -116,7 +105,7 @@ class EngineProcess:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._closing = True
-        self._send(Shutdown())
+        self.put(Shutdown())
         if self._process is not None:
             try:
                 self._process.wait(timeout)
@@ -133,36 +122,15 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    # ------------------------------------------------------------------ commands (any thread), as EngineThread's
-    def new_conversation(self, cache_salt: str | None = None) -> str:
-        cid = f"conv-{next(self._ids)}"
-        self._send(StartConversation(cid, cache_salt))
-        return cid
-
-    def submit_turn(self, conversation_id: str, messages: list[dict[str, str]], params: SamplingParams) -> str:
-        rid = f"turn-{next(self._ids)}"
-        self._live[rid] = conversation_id
-        self._send(SubmitTurn(conversation_id, list(messages), params, rid))
-        return rid
-
-    def abort(self, request_id: str) -> None:
-        self._send(Abort(request_id))
-
-    def fork_conversation(self, conversation_id: str) -> str:
-        cid = f"conv-{next(self._ids)}"
-        self._send(ForkConversation(conversation_id, cid))
-        return cid
-
-    def drop_conversation(self, conversation_id: str) -> None:
-        for rid, cid in list(self._live.items()):  # its reply ends silently with it (as EngineThread's)
-            if cid == conversation_id:
-                self._live.pop(rid, None)
-        self._send(DropConversation(conversation_id))
-
-    def request_snapshot(self) -> None:
-        self._send(Snapshot())
-
-    def _send(self, command: Command) -> None:
+    # ------------------------------------------------------------------ commands (any thread): Commands' methods
+    def put(self, command: Command) -> None:
+        match command:
+            case SubmitTurn(request_id=rid, conversation_id=cid):
+                self._live[rid] = cid  # before it goes: a child found dead must end it
+            case DropConversation(conversation_id=cid):  # its reply ends silently with it (as EngineThread's)
+                for rid, owner in list(self._live.items()):
+                    if owner == cid:
+                        self._live.pop(rid, None)
         with self._send_lock:
             if self._dead is None and self._conn is not None:
                 try:

@@ -67,7 +67,42 @@ _NAMES = {StartConversation: "start", SubmitTurn: "submit", Abort: "abort", Fork
           DropConversation: "drop"}  # fmt: skip  (as error messages have always named them)
 
 
-class EngineThread:
+class Commands:
+    """A backend's commands, built on the caller's thread (ids and all, so a front end can refer to a
+    conversation before the engine has seen it) and handed to ``put``: EngineThread's and EngineProcess's."""
+
+    _ids: itertools.count[int]  # set by each backend; next() on a count is atomic under the GIL
+
+    def put(self, command: Command) -> None:
+        raise NotImplementedError
+
+    def new_conversation(self, cache_salt: str | None = None) -> str:
+        """A conversation id, usable at once; `cache_salt`: its KV is shared only with conversations of that salt."""
+        cid = f"conv-{next(self._ids)}"
+        self.put(StartConversation(cid, cache_salt))
+        return cid
+
+    def submit_turn(self, conversation_id: str, messages: list[dict[str, str]], params: SamplingParams) -> str:
+        rid = f"turn-{next(self._ids)}"
+        self.put(SubmitTurn(conversation_id, list(messages), params, rid))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self.put(Abort(request_id))
+
+    def fork_conversation(self, conversation_id: str) -> str:
+        cid = f"conv-{next(self._ids)}"
+        self.put(ForkConversation(conversation_id, cid))
+        return cid
+
+    def drop_conversation(self, conversation_id: str) -> None:
+        self.put(DropConversation(conversation_id))
+
+    def request_snapshot(self) -> None:
+        self.put(Snapshot())
+
+
+class EngineThread(Commands):
     def __init__(
         self, engine: LLMEngine, on_event: Callable[[Event], None], snapshot_interval: float = 0.1
     ) -> None:
@@ -76,7 +111,7 @@ class EngineThread:
         self.snapshot_interval = snapshot_interval  # at most ~10 CacheSnapshot events per second
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._ids = itertools.count()  # next() on a count is atomic under the GIL
+        self._ids = itertools.count()
         self._request_conv: dict[str, str] = {}  # live request -> conversation (engine thread only)
         self._preempted: set[str] = set()  # requests last reported as waiting for KV memory
         self._thread = threading.Thread(target=self._run, name="rosechat-engine", daemon=True)
@@ -85,33 +120,8 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
-    def new_conversation(self, cache_salt: str | None = None) -> str:
-        """A conversation id, usable at once; `cache_salt`: its KV is shared only with conversations of that salt."""
-        cid = f"conv-{next(self._ids)}"
-        self._commands.put(StartConversation(cid, cache_salt))
-        return cid
-
-    def submit_turn(self, conversation_id: str, messages: list[dict[str, str]], params: SamplingParams) -> str:
-        rid = f"turn-{next(self._ids)}"
-        self._commands.put(SubmitTurn(conversation_id, list(messages), params, rid))
-        return rid
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(Abort(request_id))
-
-    def fork_conversation(self, conversation_id: str) -> str:
-        cid = f"conv-{next(self._ids)}"
-        self._commands.put(ForkConversation(conversation_id, cid))
-        return cid
-
-    def drop_conversation(self, conversation_id: str) -> None:
-        self._commands.put(DropConversation(conversation_id))
-
-    def request_snapshot(self) -> None:
-        self._commands.put(Snapshot())
-
     def put(self, command: Command) -> None:
-        """A command built elsewhere (ids and all): an EngineProcess's, from its pipe."""
+        """A command, from Commands' methods or built elsewhere (an EngineProcess's, from its pipe)."""
         self._commands.put(command)
 
     def shutdown(self, timeout: float = 5.0) -> None:
