@@ -1,15 +1,16 @@
-"""EngineProcess: the engine thread in a process of its own; the same commands and events, over a pipe.
+"""EngineProcess: the engine thread in a process of its own; the same commands and events, over a socket.
 
 In one interpreter a front end's thread and the engine's share the GIL: each time one of the engine's
 kernels returns (three a decode step) it waits for whatever Python the front end is running, and on
 two cores one tab of the app streamed ~85-90 % of the engine's tok/s for that (`rosechat bench app`).
 Here the engine loads and steps in a child (vLLM v1 runs its EngineCore in one the same way): the
-front end keeps only a pipe, and a reader thread that hands each event to its callback.
+front end keeps only a socket, and a reader thread that hands each event to its callback.
 
 The child runs an ``EngineThread`` unchanged: its commands (built here, ids and all, as the thread's
-own methods build them) are pickled to it, and its events, loading progress included, come back one
-by one. The child is a fresh interpreter (not a fork: the parent has threads, a UI's and torch's, that
-fork would copy broken; not multiprocessing's spawn either, which imports the parent's __main__ again).
+own methods build them) are pickled to it, and its events, loading progress included, come back in
+batches (``_Outbox``: a reply's text at most every FLUSH_S, anything else at once). The child is a
+fresh interpreter (not a fork: the parent has threads, a UI's and torch's, that fork would copy broken;
+not multiprocessing's spawn either, which imports the parent's __main__ again).
 If the child dies, every reply in flight ends with an ``EngineError`` saying so (with the last line it
 wrote to stderr), later commands fail the same way, and the front end stays up to say it.
 """
