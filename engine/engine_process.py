@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import signal
 import socket
 import subprocess
@@ -76,19 +77,29 @@ class EngineProcess(Commands):
     # ------------------------------------------------------------------ life
     def start(self) -> EngineProcess:
         """Start the child and wait until its model has loaded; EngineLoadError if it does not."""
+        if self._closing:  # cancelled before it began
+            raise EngineLoadError("the engine process was cancelled")
         ours, theirs = socket.socketpair()
-        root = str(Path(__file__).resolve().parent.parent)  # this engine package's folder: first on the child's path
-        code = f"import sys; sys.path.insert(0, {root!r}); from engine.engine_process import _child_main; _child_main()"
+        # `-c` puts the working folder first on the path, where a user's queue.py or engine/ would shadow ours:
+        # this engine package's folder takes its place
+        root = str(Path(__file__).resolve().parent.parent)
+        code = f"import sys; sys.path[0] = {root!r}; from engine.engine_process import _child_main; _child_main()"
         self._process = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE,  # never written: its EOF tells the child this process has gone, even mid-load
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True)  # its own session: the terminal's ctrl+c is the front end's
         theirs.close()  # ours only: EOF here once the child has gone
+        if self._closing:  # cancelled while it started (cancel saw no process yet)
+            self._process.terminate()
         self._conn = Connection(ours.detach())
         try:
             self._conn.send((self.source, self.overrides))
         except OSError:  # it died starting: the reader says how
             pass
+        except Exception as e:  # what it was to load does not pickle
+            self._process.kill()
+            raise EngineLoadError(f"could not hand the model to the engine process: {e}") from e
         for target, name in ((self._read, "rosechat-engine-events"), (self._read_stderr, "rosechat-engine-stderr")):
             self._threads.append(threading.Thread(target=target, name=name, daemon=True))
             self._threads[-1].start()
@@ -137,10 +148,13 @@ class EngineProcess(Commands):
                 try:
                     self._conn.send(command)
                     return
-                except (OSError, ValueError):  # the child went away: the reader says so
+                except (OSError, ValueError):  # the child went away: the reader ends what was in flight
                     pass
-        if not self._closing and isinstance(command, SubmitTurn):  # no one will answer it
-            self._end_live(self._dead or "the engine process has stopped")
+        # Already found dead (the reader's _end_live may have run before this request was live): answer it here.
+        # Either this or the reader ends it, once: each pops it first.
+        if self._dead is not None and isinstance(command, SubmitTurn):
+            if (cid := self._live.pop(command.request_id, None)) is not None:
+                self._emit(EngineError(command.request_id, cid, self._dead))
 
     # ------------------------------------------------------------------ events (reader thread)
     def _read(self) -> None:
@@ -156,10 +170,16 @@ class EngineProcess(Commands):
             for message in batch:
                 self._handle(message)
         code = self._process.wait() if self._process is not None else None
+        if self._process is not None and self._process.stdin is not None:  # its watch on us: ended with it
+            self._process.stdin.close()
         for thread in self._threads[1:]:  # its last words
             thread.join(1.0)
-        last = f": {self._stderr[-1]}" if self._stderr else ""
-        self._dead = f"the engine process stopped (exit code {code}){last}"
+        if code is not None and code < 0:  # a signal's: its last line on stderr is likely not why
+            killed = signal.Signals(-code).name
+            self._dead = f"the engine process was killed ({killed}{': out of memory?' if killed == 'SIGKILL' else ''})"
+        else:
+            last = f": {self._stderr[-1]}" if self._stderr else ""
+            self._dead = f"the engine process stopped (exit code {code}){last}"
         if self.info is not None and not self._closing:  # (one that never loaded: start raises it)
             self._end_live(self._dead)
             self._emit(EngineError(None, None, self._dead))
@@ -201,6 +221,7 @@ class EngineProcess(Commands):
 def _child_main() -> None:
     """Load the model, then run an EngineThread: commands from the pipe, its events (and load progress) into it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when the engine ends
+    threading.Thread(target=_end_with_parent, name="parent-watch", daemon=True).start()
     conn = Connection(int(sys.argv[1]))
     source, overrides = conn.recv()
     outbox = _Outbox(conn)
@@ -234,6 +255,14 @@ def _child_main() -> None:
             thread.shutdown()
             return
         thread.put(command)
+
+
+def _end_with_parent() -> None:
+    """The parent holds our stdin's other end and never writes: EOF is its end (a crash, a kill), even while a
+    load of minutes runs here and nobody reads the socket."""
+    while os.read(0, 4096):  # the raw fd: a buffered read would hold its lock through interpreter shutdown
+        pass
+    os._exit(1)
 
 
 class _Outbox:

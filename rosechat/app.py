@@ -177,6 +177,9 @@ class RoseChatApp(App[None]):
         else:  # an EngineProcess: started and loaded, its events already going to the buffer
             backend = event.engine
         self.info = info = event.engine.info
+        for loader in self.query("#loading").results(ModelLoader):  # ours now: its removal must not end it
+            loader.take()
+        await self.query("#loading").remove()
         if self.model_notice:
             self.notify(self.model_notice, title="Model not found", severity="warning", timeout=15)
         if info.notice:

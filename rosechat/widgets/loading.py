@@ -152,7 +152,8 @@ class ModelLoader(Vertical):
         self.factory = factory  # tests may pass one (an LLMEngine here); default an EngineProcess
         self.on_progress = on_progress  # thread-safe, never blocks (the app's EventBuffer.push)
         self.finished = False
-        self._process: EngineProcess | None = None  # until the app has it (ended if the app closes first)
+        self._process: EngineProcess | None = None  # until the app takes it (ended if the app closes first)
+        self._closed = False
 
     def compose(self) -> ComposeResult:
         yield LoadBar(self.model.display_name if self.model else self.config.model.name, id="loading-bar")
@@ -176,6 +177,8 @@ class ModelLoader(Vertical):
             if self.model is None:  # the command line chose it already; tests may not have
                 self.model, self.notice = choose_model(self.config)
             model = self.model
+            if self._closed:  # the app closed meanwhile: start nothing
+                return
             if self.factory is not None:
                 engine: LLMEngine | EngineProcess = self.factory(model, self.on_progress)
             else:
@@ -188,14 +191,17 @@ class ModelLoader(Vertical):
         else:
             self._post(self.Loaded(engine, model, self.notice))
 
+    def take(self) -> None:
+        """The app has the engine: unmounting no longer ends it."""
+        self._process = None
+
     def on_unmount(self) -> None:
-        if self._process is not None:  # the app closes before it has the engine (loading, or just loaded)
+        self._closed = True
+        if self._process is not None:  # the app closes before it took the engine (loading, or just loaded)
             self._process.cancel()
 
     def on_model_loader_loaded(self, _: Loaded) -> None:
-        self.finished = True
-        self._process = None  # the app's now (the message goes on to it)
-        self.remove()  # its clock and bar with it
+        self.finished = True  # the app takes the engine, then removes this (its clock and bar with it)
 
     def on_model_loader_failed(self, event: Failed) -> None:
         self.finished = True

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import (
+    CacheSnapshot,
     EngineError,
     EngineThread,
     Finished,
@@ -74,10 +75,11 @@ def test_replies_match_the_engine_thread_in_this_process(child, tiny_llama: Path
     busy = proc.submit_turn(cids[1], chat("a long one"), SamplingParams(max_tokens=500, ignore_eos=True))
     rec.wait(lambda: rec.of(TokenDelta, busy))
     proc.drop_conversation(cids[1])
-    assert busy not in proc._live
+    asked = time.monotonic()  # (CLOCK_MONOTONIC: the child's snapshots are stamped on the same clock)
     proc.request_snapshot()
-    n = len(rec.events)
-    rec.wait(lambda: any(type(e).__name__ == "CacheSnapshot" for e in rec.events[n:]))
+    rec.wait(lambda: any(s.time >= asked for s in rec.of(CacheSnapshot)))  # the snapshot asked for, after the drop
+    assert rec.finished(busy) is None  # ended silently: nothing for it came before the snapshot, and it is forgotten
+    assert busy not in proc._live
 
 
 def test_bad_requests_get_their_error_and_the_child_keeps_serving(child) -> None:
@@ -117,7 +119,7 @@ def test_a_child_that_dies_ends_the_replies_in_flight(tiny_llama: Path) -> None:
         os.kill(proc._process.pid, signal.SIGKILL)
         rec.wait_done(rid)
         err = rec.finished(rid)
-        assert isinstance(err, EngineError) and "engine process stopped (exit code -9)" in err.message
+        assert isinstance(err, EngineError) and "engine process was killed (SIGKILL" in err.message
         rec.wait(lambda: rec.of(EngineError, None) and any(e.request_id is None for e in rec.of(EngineError)))
         assert not proc.is_alive
         later = proc.submit_turn(cid, chat("again"), GREEDY)  # answered at once: no one else will
@@ -135,6 +137,7 @@ def test_the_child_ends_when_its_parent_dies(tiny_llama: Path) -> None:
         print(proc._process.pid, flush=True)
         time.sleep(600)
     """)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    pid = None
     try:
         pid = int(parent.stdout.readline())
         parent.kill()
@@ -145,6 +148,8 @@ def test_the_child_ends_when_its_parent_dies(tiny_llama: Path) -> None:
             time.sleep(0.05)
     finally:
         parent.kill()
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -155,11 +160,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_childs_events_go_in_batches_text_waiting_at_most_flush_s() -> None:
+def test_the_childs_events_go_in_batches_text_waiting_at_most_flush_s(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reply's text waits (at most FLUSH_S) to go with more; any other event goes at once, after the text
     before it, in order."""
+    import engine.engine_process as ep
     from engine.engine_process import FLUSH_S, _Outbox
-    from engine.events import CacheSnapshot
 
     class Conn:
         def __init__(self) -> None:
@@ -170,6 +175,7 @@ def test_the_childs_events_go_in_batches_text_waiting_at_most_flush_s() -> None:
 
     conn = Conn()
     box = _Outbox(conn)
+    monkeypatch.setattr(ep, "FLUSH_S", 60.0)  # for the first part: a slow machine's pause must not flush it
     deltas = [TokenDelta("turn-1", "conv-0", 0, f"w{i}") for i in range(5)]
     for d in deltas:
         box.put(d)
@@ -181,6 +187,7 @@ def test_the_childs_events_go_in_batches_text_waiting_at_most_flush_s() -> None:
     end = EngineError("turn-1", "conv-0", "stopped")
     box.put(end)
     assert conn.sent == [[*deltas, snap, end]]  # an end goes at once, with what came before it
+    monkeypatch.setattr(ep, "FLUSH_S", FLUSH_S)
     box.put(deltas[0])
     time.sleep(FLUSH_S)
     box.put(deltas[1])  # the oldest has waited FLUSH_S: both go
@@ -195,9 +202,19 @@ def test_the_child_runs_this_engine_whatever_folder_it_starts_in(tiny_llama: Pat
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "engine").mkdir()  # a folder of the user's that happens to hold an `engine` package
     (tmp_path / "engine" / "__init__.py").write_text("raise ImportError('not rosechat\\'s engine')\n")
+    (tmp_path / "queue.py").write_text("raise ImportError('not the standard library')\n")  # nor a module of theirs
     monkeypatch.chdir(tmp_path)
     proc = EngineProcess(resolve_model(str(tiny_llama)), SETTINGS, lambda e: None).start()
     try:
         assert proc.info is not None and proc.is_alive
     finally:
         proc.shutdown()
+
+
+def test_a_cancelled_load_starts_nothing(tiny_llama: Path) -> None:
+    """The app closed before the load began (its loader's unmount came first): no child is started."""
+    proc = EngineProcess(resolve_model(str(tiny_llama)), SETTINGS, lambda e: None)
+    proc.cancel()
+    with pytest.raises(EngineLoadError, match="cancelled"):
+        proc.start()
+    assert proc._process is None
