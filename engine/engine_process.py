@@ -58,14 +58,14 @@ class EngineProcess(Commands):
     """A started child with a loaded model (``start``), driven as an ``EngineThread`` is (the app's ``Backend``)."""
 
     def __init__(self, source: ModelSource, overrides: dict[str, Any], on_event: Callable[[Event], None]) -> None:
-        self.source = dataclasses.replace(source, gguf=None)  # an open file does not pickle: the child reopens it
+        self.source = dataclasses.replace(source, gguf=None)  # an open file does not pickle: the child opens it
         self.overrides = overrides  # LLMEngine.from_pretrained's keyword arguments
         self.on_event = on_event  # called on the reader thread, loading progress too; must not block
         self.info: EngineInfo | None = None  # once loaded
         self._ids = itertools.count()
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()  # commands may come from several threads
-        self._live: dict[str, str | None] = {}  # request -> conversation, until its Finished or EngineError
+        self._live: dict[str, str] = {}  # request -> conversation, until its Finished or EngineError
         self._loaded = threading.Event()
         self._load_error: str | None = None
         self._closing = False
@@ -219,7 +219,7 @@ class EngineProcess(Commands):
 
 # ---------------------------------------------------------------------- the child
 def _child_main() -> None:
-    """Load the model, then run an EngineThread: commands from the pipe, its events (and load progress) into it."""
+    """Load the model, then run an EngineThread: commands from the socket, its events (and load progress) into it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when the engine ends
     threading.Thread(target=_end_with_parent, name="parent-watch", daemon=True).start()
     conn = Connection(int(sys.argv[1]))
@@ -228,11 +228,8 @@ def _child_main() -> None:
     send = outbox.put
 
     from engine.conversations import LLMEngine
-    from engine.weights.gguf import GGUFModel
 
-    try:
-        if source.kind == "gguf" and source.path is not None:
-            source = dataclasses.replace(source, gguf=GGUFModel(source.path))
+    try:  # (a GGUF source came without its open file: the loader opens it, and says so)
         llm = LLMEngine.from_pretrained(source, send, **overrides)
     except Exception as e:
         send(_LoadFailed(f"{type(e).__name__}: {e}"))
